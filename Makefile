@@ -1,0 +1,49 @@
+# Bootstrap + the two README commands. Everything runs inside .venv, created on first use.
+# The venv is (re)installed only when pyproject.toml or constraints.txt change (stamp file), so reruns are fast.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+export PYTHONHASHSEED := 0
+
+.PHONY: verify test test-slow test-gpu bench lint models constraints clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml constraints.txt | $(BIN)/python
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+verify: $(STAMP)  ## the main job: every engine against the oracle on the bundled model
+	$(BIN)/cbverify verify
+
+test: $(STAMP)  ## the default test suite (fits ~10 minutes on 2 CPU cores)
+	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest
+
+test-slow: $(STAMP)
+	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -m slow
+
+test-gpu: $(STAMP)
+	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -m gpu
+
+bench: $(STAMP)
+	$(BIN)/python -m pytest -m bench --benchmark-autosave --benchmark-storage=bench-results/pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+models: $(STAMP)  ## rebuild the bundled checkpoints under golden/models/
+	$(BIN)/python -m golden.build_models
+
+constraints: $(STAMP)
+	(echo "# Every version CI installs (pip install -c constraints.txt). Regenerate with: make constraints"; \
+	 $(BIN)/python -m pip freeze --exclude-editable | sed 's/+cpu//') | sort -f > constraints.txt
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis bench-results

@@ -1,0 +1,42 @@
+"""The ``cbverify`` command line. Each subcommand lives in its own module exposing ``configure(parser)`` and
+``run(args) -> int`` (the exit code); this file only wires them together."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+SUBCOMMANDS = {
+    "verify": ("cbverify.verify", "every engine against the reference oracle on one model; PASS/FAIL per engine"),
+    "golden": ("cbverify.golden_cmd", "record or check golden log-prob regression files"),
+    "bench": ("cbverify.bench_cmd", "side-by-side throughput/memory benchmarks with plots"),
+    "upstream": ("cbverify.upstream", "TRL / transformers integration checks and the findings registry"),
+    "matrix": ("cbverify.matrix", "run the upstream checks across several transformers/trl versions"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cbverify", description="Can I trust my continuous-batching rollouts?")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        try:
+            configure = importlib.import_module(module).configure
+        except ModuleNotFoundError as err:
+            if err.name != module:
+                raise
+            continue  # a subcommand whose module is not written yet is simply not offered
+        configure(sub.add_parser(name, help=help_text, description=help_text))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a hub, whatever the caller's environment says
+    args = build_parser().parse_args(argv)
+    module = importlib.import_module(SUBCOMMANDS[args.command][0])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

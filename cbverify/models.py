@@ -1,0 +1,50 @@
+"""Load a bundled checkpoint by name, or any local Hugging Face checkpoint by path. Never touches the network."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+MODELS_DIR = Path(__file__).resolve().parent.parent / "golden" / "models"
+BUNDLED = ("tiny-llama-arith", "tiny-qwen2-random")
+DEFAULT_MODEL = "tiny-llama-arith"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve(name_or_path: str | Path) -> Path:
+    """A bundled name -> its folder under ``golden/models``; otherwise a local directory holding ``config.json``."""
+    if str(name_or_path) in BUNDLED:
+        path = MODELS_DIR / str(name_or_path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"bundled model {name_or_path!r} is missing at {path}; run `make models`")
+        return path
+    path = Path(name_or_path).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"model {str(name_or_path)!r} is neither a bundled name ({', '.join(BUNDLED)}) nor a local directory "
+            "(cbverify never downloads: point at a local checkpoint)"
+        )
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
+    return path
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def load(name_or_path: str | Path = DEFAULT_MODEL, *, dtype: str | torch.dtype = "float32", device: str = "cpu"):
+    """``(model, tokenizer)`` in eval mode, from local files only (``local_files_only=True``)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve(name_or_path)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype), local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return model.to(device).eval(), tokenizer

@@ -1,0 +1,57 @@
+"""Shared pytest configuration: Hypothesis profiles, a --max-examples override, bundled-model fixtures, CUDA gate."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))  # CI has 2 cores; more threads only add jitter
+
+_SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
+settings.register_profile("dev", max_examples=10, deadline=None, suppress_health_check=_SLOW_OK)
+settings.register_profile(
+    "ci", max_examples=50, derandomize=True, deadline=None, print_blob=True, suppress_health_check=_SLOW_OK
+)
+settings.register_profile("thorough", max_examples=500, deadline=None, suppress_health_check=_SLOW_OK)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--max-examples", type=int, default=None, help="override Hypothesis max_examples for this run")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    n = config.getoption("--max-examples")
+    if n is not None:
+        settings.register_profile("cli-override", settings.get_profile(settings._current_profile), max_examples=n)
+        settings.load_profile("cli-override")
+
+
+@pytest.fixture(scope="session")
+def llama():
+    """The bundled arithmetic Llama in float32 on CPU: ``(model, tokenizer)``."""
+    from cbverify.models import load
+
+    return load("tiny-llama-arith")
+
+
+@pytest.fixture(scope="session")
+def qwen2():
+    """The bundled random Qwen2 in float32 on CPU: ``(model, tokenizer)``."""
+    from cbverify.models import load
+
+    return load("tiny-qwen2-random")
+
+
+@pytest.fixture(scope="session", params=["tiny-llama-arith", "tiny-qwen2-random"])
+def bundled_model(request):
+    """Each bundled model in turn: ``(name, model, tokenizer)``."""
+    from cbverify.models import load
+
+    return (request.param, *load(request.param))

@@ -1,0 +1,172 @@
+"""Build the bundled checkpoints under ``golden/models/`` reproducibly: ``python -m golden.build_models``.
+
+- ``tiny-llama-arith``: Llama with grouped-query attention, trained on ``reference.tasks`` (a miniature GSM8K) until
+  sampled answers at temperature 1 are right often but not always (so GRPO has reward variance to learn from).
+- ``tiny-qwen2-random``: Qwen2 (q/k/v biases, a different GQA ratio), random weights from a fixed seed.
+
+Both share the character-level tokenizer built here with the ``tokenizers`` library. Each model directory gets a
+README with the build command, seed, parameter count, training time and measured figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+from transformers import Qwen2ForCausalLM
+
+from reference import tasks
+
+MODELS_DIR = Path(__file__).resolve().parent / "models"
+SEED = 1234
+EVAL_SEED = 99  # held-out problems: a different stream from training's
+MAX_NEW_TOKENS = 128
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Character-level WordLevel tokenizer: every character is one token; BOS is prepended on encode."""
+    tok = Tokenizer(models.WordLevel(vocab=dict(tasks.VOCAB), unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{tasks.BOS} $A", pair=f"{tasks.BOS} $A $B", special_tokens=[(tasks.BOS, tasks.BOS_ID)]
+    )
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=tasks.BOS, eos_token=tasks.EOS, pad_token=tasks.PAD, padding_side="left"
+    )
+
+
+def llama_config() -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=tasks.VOCAB_SIZE, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, bos_token_id=tasks.BOS_ID, eos_token_id=tasks.EOS_ID, pad_token_id=tasks.PAD_ID,
+    )  # fmt: skip
+
+
+def qwen2_config() -> Qwen2Config:
+    return Qwen2Config(
+        vocab_size=tasks.VOCAB_SIZE, hidden_size=96, intermediate_size=256, num_hidden_layers=3,
+        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, bos_token_id=tasks.BOS_ID, eos_token_id=tasks.EOS_ID, pad_token_id=tasks.PAD_ID,
+    )  # fmt: skip
+
+
+def _batch(problems: list[tasks.ArithProblem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (input_ids, attention_mask, labels); labels cover the completion and its EOS only."""
+    rows = [(tasks.prompt_ids(p), tasks.encode(p.completion) + [tasks.EOS_ID]) for p in problems]
+    width = max(len(a) + len(b) for a, b in rows)
+    ids = torch.full((len(rows), width), tasks.PAD_ID)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    labels = torch.full((len(rows), width), -100)
+    for i, (prompt, completion) in enumerate(rows):
+        n = len(prompt) + len(completion)
+        ids[i, :n] = torch.tensor(prompt + completion)
+        mask[i, :n] = 1
+        labels[i, len(prompt) : n] = torch.tensor(completion)
+    return ids, mask, labels
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, problems: list[tasks.ArithProblem], *, seed: int) -> dict:
+    """Greedy EOS rate, greedy/sampled accuracy and the greedy completion-length distribution."""
+    model.eval()
+    enc = tokenizer([p.prompt for p in problems], return_tensors="pt", padding=True)
+    out = {}
+    for mode in ("greedy", "sampled"):
+        torch.manual_seed(seed)
+        gen = model.generate(
+            **enc, max_new_tokens=MAX_NEW_TOKENS, do_sample=mode == "sampled", temperature=1.0, top_k=0, top_p=1.0,
+            pad_token_id=tasks.PAD_ID, eos_token_id=tasks.EOS_ID,
+        )[:, enc["input_ids"].shape[1] :]  # fmt: skip
+        completions = [row[: (row == tasks.EOS_ID).nonzero()[0, 0] + 1] if (row == tasks.EOS_ID).any() else row
+                       for row in gen]  # fmt: skip
+        out[f"{mode}_accuracy"] = statistics.mean(tasks.reward(p, c.tolist()) for p, c in zip(problems, completions))
+        if mode == "greedy":
+            lengths = sorted(len(c) for c in completions)
+            out["greedy_eos_rate"] = statistics.mean(float(c[-1] == tasks.EOS_ID) for c in completions)
+            q = lambda f: lengths[min(len(lengths) - 1, int(f * len(lengths)))]  # noqa: E731
+            out["greedy_length"] = {"min": lengths[0], "p10": q(0.1), "median": q(0.5), "p90": q(0.9),
+                                    "max": lengths[-1]}  # fmt: skip
+    model.train()
+    return out
+
+
+def train_llama(*, max_steps: int, batch_size: int, target_sampled_accuracy: float, log) -> tuple:
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(llama_config())
+    tokenizer = build_tokenizer()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.98), weight_decay=0.01)
+    schedule = lambda s: min(1.0, (s + 1) / 100) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / max_steps)))  # noqa: E731
+    lr_sched = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    held_out = tasks.make_problems(128, seed=EVAL_SEED)
+    start, metrics, step = time.perf_counter(), {}, 0
+    for step in range(1, max_steps + 1):
+        ids, mask, labels = _batch(tasks.make_problems(batch_size, seed=SEED * 1_000_003 + step))
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step(), lr_sched.step(), optimizer.zero_grad(set_to_none=True)
+        if step % 100 == 0:
+            metrics = evaluate(model, tokenizer, held_out, seed=SEED)
+            log(f"step {step:5d}  loss {loss.item():.4f}  {json.dumps(metrics)}  ({time.perf_counter() - start:.0f}s)")
+            if metrics["greedy_eos_rate"] >= 0.95 and metrics["sampled_accuracy"] >= target_sampled_accuracy:
+                break
+    return model, tokenizer, {"steps": step, "train_seconds": round(time.perf_counter() - start, 1), **metrics}
+
+
+def save(model, tokenizer, path: Path, readme: str) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tasks.BOS_ID, eos_token_id=tasks.EOS_ID, pad_token_id=tasks.PAD_ID, max_new_tokens=MAX_NEW_TOKENS
+    )
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    (path / "README.md").write_text(readme)
+
+
+def _readme(name: str, description: str, model, figures: dict) -> str:
+    params = sum(p.numel() for p in model.parameters())
+    lines = [f"# {name}", "", description, "", "Built by `python -m golden.build_models` (seed "
+             f"{SEED}; torch {torch.__version__}).", "", f"- parameters: {params:,}"]  # fmt: skip
+    lines += [f"- {k}: {json.dumps(v)}" for k, v in figures.items()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=MODELS_DIR, help="directory that receives the model folders")
+    parser.add_argument("--max-steps", type=int, default=3000, help="upper bound on Llama training steps")
+    parser.add_argument("--batch-size", type=int, default=64, help="training problems per step")
+    parser.add_argument("--target-sampled-accuracy", type=float, default=0.5,
+                        help="stop once temperature-1 sampled accuracy on held-out problems reaches this")  # fmt: skip
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (fixed for reproducibility)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.use_deterministic_algorithms(True)
+
+    model, tokenizer, figures = train_llama(max_steps=args.max_steps, batch_size=args.batch_size,
+                                            target_sampled_accuracy=args.target_sampled_accuracy, log=print)  # fmt: skip
+    figures["held_out_problems"] = f"128 (reference.tasks.make_problems(128, seed={EVAL_SEED}))"
+    save(model, tokenizer, args.out / "tiny-llama-arith", _readme(
+        "tiny-llama-arith", "Llama (GQA 4 query / 2 key-value heads) trained on the arithmetic task of "
+        "`reference/tasks.py`. Figures on held-out problems, max 128 new tokens, transformers `generate()`.",
+        model, figures))  # fmt: skip
+
+    torch.manual_seed(SEED)
+    qwen = Qwen2ForCausalLM(qwen2_config())
+    save(qwen, tokenizer, args.out / "tiny-qwen2-random", _readme(
+        "tiny-qwen2-random", "Qwen2 (q/k/v biases; GQA 6 query / 2 key-value heads), random weights from "
+        "`torch.manual_seed(SEED)`, the same character tokenizer as tiny-llama-arith.", qwen, {}))  # fmt: skip
+    print(json.dumps(figures, indent=2))
+
+
+if __name__ == "__main__":
+    main()
