@@ -1,0 +1,109 @@
+"""Teacher-forced log-probabilities of given completions: what the trainer sees, and what the sampler used.
+
+For a pair (prompt, completion) of lengths P and L, one forward over ``prompt + completion`` (shape (1, P + L)) gives
+the logits that predicted completion token ``i`` at row ``P - 1 + i``. Logits are cast to float32 before anything else.
+
+- :func:`per_token_logps` has TRL's trainer semantics (``GRPOTrainer._get_per_token_logps_and_entropies``):
+  ``log_softmax(logits / T)`` over the full vocabulary, read at each completion token.
+- :func:`processed_per_token_logps` applies ``reference.generate.process_logits`` (temperature -> top-k -> top-p ->
+  min-p, renormalised): the log-prob of each token under the distribution a sampler drew it from. A token outside
+  the kept set gets ``-inf``.
+
+Simplifications versus TRL: one unpadded forward per pair (TRL pads a batch and slices ``logits_to_keep``), no
+entropy, no ``torch.compile``, no chunking of the vocabulary; TRL computes in the model's dtype, here the logits are
+always cast to float32 first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from reference.generate import process_logits
+from reference.spec import SamplingParams
+
+
+@torch.no_grad()
+def completion_logits(model, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> torch.Tensor:
+    """(L, V) float32 raw logits; row ``i`` is the model's prediction for ``completion_ids[i]``.
+
+    An empty completion gives a (0, V) tensor without running the model.
+    """
+    prompt, completion = list(prompt_ids), list(completion_ids)
+    if not prompt:
+        raise ValueError("prompt_ids is empty: there is no logit row to predict the first completion token from")
+    vocab_size = model.config.get_text_config().vocab_size
+    device = next(model.parameters()).device
+    if not completion:
+        return torch.zeros((0, vocab_size), dtype=torch.float32, device=device)
+    input_ids = torch.tensor([prompt + completion], dtype=torch.long, device=device)  # (1, P + L)
+    logits = model(input_ids=input_ids).logits[0].to(torch.float32)  # (P + L, V)
+    first = len(prompt) - 1
+    return logits[first : first + len(completion)]  # (L, V)
+
+
+def _check_pairs(prompt_ids_list: Sequence, completion_ids_list: Sequence, *more: Sequence) -> None:
+    lengths = {len(prompt_ids_list), len(completion_ids_list), *(len(m) for m in more)}
+    if len(lengths) != 1:
+        raise ValueError(f"prompt/completion/sampling lists must have equal lengths, got {sorted(lengths)}")
+
+
+def per_token_logps(
+    model,
+    prompt_ids_list: Sequence[Sequence[int]],
+    completion_ids_list: Sequence[Sequence[int]],
+    temperature: float = 1.0,
+) -> list[torch.Tensor]:
+    """Trainer-side log-probs (TRL semantics): for each pair a float32 (L_i,) tensor of
+    ``log_softmax(logits / temperature)[completion_ids[i]]`` over the full vocabulary."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 for trainer log-probs (TRL divides by it), got {temperature}")
+    _check_pairs(prompt_ids_list, completion_ids_list)
+    out: list[torch.Tensor] = []
+    for prompt, completion in zip(prompt_ids_list, completion_ids_list):
+        logits = completion_logits(model, prompt, completion)  # (L, V)
+        logps = torch.log_softmax(logits / temperature, dim=-1)  # (L, V)
+        targets = torch.tensor(list(completion), dtype=torch.long, device=logits.device)  # (L,)
+        out.append(logps[torch.arange(len(targets), device=logits.device), targets])  # (L,)
+    return out
+
+
+def processed_per_token_logps(
+    model,
+    prompt_ids_list: Sequence[Sequence[int]],
+    completion_ids_list: Sequence[Sequence[int]],
+    sampling_list: Sequence[SamplingParams],
+) -> list[torch.Tensor]:
+    """Sampler-side log-probs: for each pair a float32 (L_i,) tensor of ``process_logits(row, sampling)[token]``,
+    position by position (the distribution the token was sampled from; greedy: plain ``log_softmax``)."""
+    _check_pairs(prompt_ids_list, completion_ids_list, sampling_list)
+    out: list[torch.Tensor] = []
+    for prompt, completion, sampling in zip(prompt_ids_list, completion_ids_list, sampling_list):
+        logits = completion_logits(model, prompt, completion)  # (L, V)
+        values = [process_logits(logits[i], sampling)[token] for i, token in enumerate(completion)]
+        out.append(torch.stack(values) if values else torch.zeros(0, dtype=torch.float32, device=logits.device))
+    return out
+
+
+def top_logprobs(
+    model,
+    prompt_ids: Sequence[int],
+    completion_ids: Sequence[int],
+    k: int = 5,
+    sampling: SamplingParams | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, token_ids)``, both (L, k): the k largest log-probs at each completion position, descending.
+
+    With ``sampling`` they are processed log-probs (``process_logits``), otherwise raw ``log_softmax(logits)``.
+    Removed tokens appear as ``-inf`` when fewer than k tokens were kept.
+    """
+    logits = completion_logits(model, prompt_ids, completion_ids)  # (L, V)
+    if not 1 <= k <= logits.shape[-1]:
+        raise ValueError(f"k must be in [1, vocab size {logits.shape[-1]}], got {k}")
+    rows = [process_logits(row, sampling) if sampling is not None else torch.log_softmax(row, -1) for row in logits]
+    if not rows:
+        empty = torch.zeros((0, k), device=logits.device)
+        return empty.to(torch.float32), empty.to(torch.long)
+    top = torch.topk(torch.stack(rows), k, dim=-1)  # (L, k), (L, k)
+    return top.values, top.indices
