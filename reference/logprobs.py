@@ -61,7 +61,7 @@ def per_token_logps(
         raise ValueError(f"temperature must be > 0 for trainer log-probs (TRL divides by it), got {temperature}")
     _check_pairs(prompt_ids_list, completion_ids_list)
     out: list[torch.Tensor] = []
-    for prompt, completion in zip(prompt_ids_list, completion_ids_list):
+    for prompt, completion in zip(prompt_ids_list, completion_ids_list, strict=True):
         logits = completion_logits(model, prompt, completion)  # (L, V)
         logps = torch.log_softmax(logits / temperature, dim=-1)  # (L, V)
         targets = torch.tensor(list(completion), dtype=torch.long, device=logits.device)  # (L,)
@@ -79,7 +79,7 @@ def processed_per_token_logps(
     position by position (the distribution the token was sampled from; greedy: plain ``log_softmax``)."""
     _check_pairs(prompt_ids_list, completion_ids_list, sampling_list)
     out: list[torch.Tensor] = []
-    for prompt, completion, sampling in zip(prompt_ids_list, completion_ids_list, sampling_list):
+    for prompt, completion, sampling in zip(prompt_ids_list, completion_ids_list, sampling_list, strict=True):
         logits = completion_logits(model, prompt, completion)  # (L, V)
         values = [process_logits(logits[i], sampling)[token] for i, token in enumerate(completion)]
         out.append(torch.stack(values) if values else torch.zeros(0, dtype=torch.float32, device=logits.device))
