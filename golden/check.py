@@ -1,0 +1,211 @@
+"""Check golden records: the reference and every applicable engine against what was recorded.
+
+Contract: :func:`check_case` returns a :class:`CaseResult` whose ``failures`` is empty exactly when
+
+1. teacher-forcing the *golden* tokens through ``reference.logprobs`` reproduces the recorded full-support and
+   processed log-probs and the top-5 log-probs within ``golden.tolerances.REFERENCE[dtype]``
+   (max |Δ| and |mean Δ|);
+2. re-generating with the reference (and with each engine that applies) reproduces the golden tokens under the
+   DESIGN §4 token rule (:func:`golden.tolerances.divergence_accepted`), and the returned sampling log-probs match
+   the recorded ones on the common prefix within the tolerance for that engine;
+3. a recorded GRPO trajectory is reproduced within ``golden.tolerances.TRAJECTORY``.
+
+Engines without ``capabilities.spec_sampling`` (their own RNG: ``hf-generate``, ``transformers-cb``) are checked on
+greedy cases only; an engine that raises ``NotApplicable`` or whose adapter is missing is noted, not failed. A failure
+names the case, the engine, the quantity, the first divergent (request, position) and the environment diff since
+recording.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from cbverify.engines import NotApplicable
+from cbverify.models import load
+from golden import env as golden_env
+from golden import tolerances as tol
+from golden.cases import RECORDS_DIR, GoldenCase, record_path
+from golden.record import FORMAT_VERSION, teacher_forced
+from reference.spec import Rollout
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    case: str
+    engine: str
+    quantity: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"[{self.case}] engine={self.engine} {self.quantity}: {self.detail}"
+
+
+@dataclass(slots=True)
+class CaseResult:
+    case: str
+    failures: list[Failure] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    env_diff: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def report(self) -> str:
+        head = f"{'PASS' if self.ok else 'FAIL'} {self.case}"
+        lines = [head, *(f"  {f}" for f in self.failures), *(f"  note: {n}" for n in self.notes)]
+        if not self.ok:
+            lines.append(self.env_diff)
+        return "\n".join(lines)
+
+
+def load_record(case: GoldenCase, device_class: str, root: Path = RECORDS_DIR) -> dict:
+    path = record_path(case, device_class, root)
+    if not path.exists():
+        raise FileNotFoundError(f"no golden record for {case.name} on {device_class} at {path}; "
+                                f"record it with `cbverify golden record --case {case.name}`")  # fmt: skip
+    data = json.loads(path.read_text())
+    if data.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path}: format_version {data.get('format_version')} != {FORMAT_VERSION}; re-record")
+    if data["case"] != case.describe():
+        raise ValueError(f"{path}: the case definition changed since recording (stored {data['case']}, now "
+                         f"{case.describe()}); re-record with --force")  # fmt: skip
+    return data
+
+
+def compare_series(
+    golden: list[list[float]], actual: list[list[float]], tolerance: tol.Tolerance, ids: list[str]
+) -> str | None:
+    """``None`` when max |Δ| and |mean Δ| over all positions are within ``tolerance``; otherwise the reason, naming the
+    first (request, position) whose |Δ| exceeds ``max_abs`` (or the worst one when only the drift fails)."""
+    deltas = [(rid, i, a - g) for rid, gs, acts in zip(ids, golden, actual, strict=True)
+              for i, (g, a) in enumerate(zip(gs, acts, strict=True))]  # fmt: skip
+    if not deltas:
+        return None
+    worst = max(deltas, key=lambda d: abs(d[2]))
+    mean = sum(d[2] for d in deltas) / len(deltas)
+    if abs(worst[2]) <= tolerance.max_abs and abs(mean) <= tolerance.mean_drift:
+        return None
+    first = next((d for d in deltas if abs(d[2]) > tolerance.max_abs), worst)
+    return (f"max |Δ|={abs(worst[2]):.3e} (tol {tolerance.max_abs:.1e}), mean Δ={mean:+.3e} (tol "
+            f"{tolerance.mean_drift:.1e}) over {len(deltas)} positions; first divergent: request {first[0]} "
+            f"position {first[1]} (Δ={first[2]:+.3e})")  # fmt: skip
+
+
+def check_teacher_forced(model, case: GoldenCase, data: dict) -> list[Failure]:
+    """Rule 1: the reference, teacher-forced on the golden tokens."""
+    prompts = [tuple(r["prompt_ids"]) for r in data["config"]["requests"]]
+    golden = data["rollouts"]
+    forced = teacher_forced(model, case, prompts, [tuple(r["completion_ids"]) for r in golden])
+    ids = [r["request_id"] for r in golden]
+    failures = []
+    for key in ("per_token_logps", "processed_per_token_logps"):
+        why = compare_series([r[key] for r in golden], forced[key], tol.REFERENCE[case.dtype], ids)
+        if why:
+            failures.append(Failure(case.name, "reference", f"teacher-forced {key}", why))
+    flat = lambda rows: [[v for pos in req for v in pos] for req in rows]  # noqa: E731
+    why = compare_series(flat([r["top5_logprobs"] for r in golden]), flat(forced["top5_logprobs"]),
+                         tol.REFERENCE[case.dtype], [f"{i}(flattened top-5)" for i in ids])  # fmt: skip
+    if why:
+        failures.append(Failure(case.name, "reference", "teacher-forced top-5 log-probs", why))
+    return failures
+
+
+def check_rollouts(
+    model, case: GoldenCase, data: dict, engine: str, rollouts: list[Rollout], *, logprobs: str = "processed"
+) -> tuple[list[Failure], list[str]]:
+    """Rule 2 for one engine's rollouts of the golden requests: ``(failures, notes on accepted divergences)``.
+
+    ``logprobs`` is the engine's ``logprob_semantics``: ``processed`` log-probs are compared with the golden sampling
+    log-probs, ``raw`` ones only on greedy cases (where raw and processed coincide), ``none`` not at all.
+    """
+    golden = data["rollouts"]
+    requests = {r.request_id: r for r in case.requests()}
+    failures, notes, common_golden, common_actual, ids = [], [], [], [], []
+    for g, r in zip(golden, rollouts, strict=True):
+        if r.request_id != g["request_id"]:
+            failures.append(Failure(case.name, engine, "request order", f"{r.request_id} where {g['request_id']}"))
+            continue
+        pos = tol.first_divergence(g["completion_ids"], r.completion_ids)
+        if pos is not None:
+            verdict = tol.divergence_accepted(model, case.dtype, requests[r.request_id], g, r.completion_ids, pos)
+            if verdict.accepted:
+                notes.append(f"{engine}: request {r.request_id} diverges at position {pos}, accepted: {verdict}")
+            else:
+                why = f"request {r.request_id} first divergent position {pos}: {verdict}"
+                failures.append(Failure(case.name, engine, "tokens", why))
+        n = len(g["completion_ids"]) if pos is None else pos
+        common_golden.append(g["sampling_logprobs"][:n])
+        common_actual.append(list(r.logprobs[:n]))
+        ids.append(r.request_id)
+    if logprobs == "none" or (logprobs == "raw" and not case.sampling_params.greedy):
+        notes.append(f"{engine}: log-probs not compared (engine returns {logprobs!r} log-probs on a sampled case)")
+        return failures, notes
+    why = compare_series(common_golden, common_actual, tol.engine_tolerance(engine, case.dtype), ids)
+    if why:
+        failures.append(Failure(case.name, engine, "sampling log-probs (common prefix)", why))
+    return failures, notes
+
+
+def build_engine(name: str, model):
+    """The harness engine ``name`` (``cbverify.engines.get_engine``), or the reason it cannot be built here."""
+    from cbverify.engines import get_engine
+
+    try:
+        return get_engine(name, model)
+    except ModuleNotFoundError as err:
+        if not (err.name or "").startswith("cbverify.engines"):
+            raise
+        return f"{name}: adapter module {err.name} is not available"
+
+
+def available_engines() -> list[str]:
+    """Every engine the harness registers (``cbverify.engines.ENGINE_NAMES``), ``reference`` first."""
+    from cbverify.engines import ENGINE_NAMES
+
+    return list(ENGINE_NAMES)
+
+
+def check_case(
+    case: GoldenCase,
+    device: str = "cpu",
+    *,
+    engines: list[str] | None = None,
+    model=None,
+    root: Path = RECORDS_DIR,
+    trajectory: bool = True,
+) -> CaseResult:
+    """Check one case (see the module contract). ``model`` overrides loading the bundled one (tests perturb it)."""
+    data = load_record(case, golden_env.device_class(device), root)
+    result = CaseResult(case.name, env_diff=golden_env.format_diff(data["env"], golden_env.capture(device)))
+    if model is None:
+        model, _ = load(case.model, dtype=case.dtype, device=device)
+    with torch.no_grad():
+        result.failures += check_teacher_forced(model, case, data)
+    for name in engines if engines is not None else available_engines():
+        engine = build_engine(name, model)
+        if isinstance(engine, str):
+            result.notes.append(engine)
+            continue
+        caps = engine.capabilities
+        if not (caps.spec_sampling or case.sampling_params.greedy):
+            result.notes.append(f"{name}: not checked on a sampled case (own RNG; see the distribution tests)")
+            continue
+        try:
+            rollouts = engine.generate(case.requests())
+        except NotApplicable as err:
+            result.notes.append(str(err))
+            continue
+        failures, notes = check_rollouts(model, case, data, name, rollouts, logprobs=caps.logprob_semantics)
+        result.failures += failures
+        result.notes += notes
+    if trajectory and data.get("trajectory"):
+        from golden.record import run_trajectory
+
+        for why in tol.compare_trajectory(data["trajectory"], run_trajectory(case, device)):
+            result.failures.append(Failure(case.name, "reference.train", "GRPO trajectory", why))
+    return result
