@@ -1,0 +1,130 @@
+"""Paged attention routed through transformers' ``AttentionInterface``, so unmodified Hugging Face decoders run on
+our KV cache.
+
+One forward carries many sequences packed as ``input_ids`` (1, T): prefill chunks and decode tokens. Each layer's
+attention call (1) writes the new keys/values into the paged cache at ``slot_mapping``, then (2) for each group of
+sequences (decodes, then prefill chunks; padding is per group so decodes are never padded to a chunk's length)
+gathers every sequence's keys/values from the cache into a padded (S, Hkv, L, D) tensor and runs causal SDPA.
+
+Oracle: equals the model's own attention (``eager``/``sdpa``) over each sequence's full prefix — checked end to end
+against ``reference.generate`` by the exactness properties. Padding never reads an unwritten slot: padded key
+columns point at the sequence's own position 0 and are masked out; padded query rows attend to that column only
+and are discarded.
+
+Because the implementation is not registered in ``AttentionMaskInterface``, transformers builds no mask at all.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from cb_impl.kv_cache import PagedKVCache
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionGroup:
+    """Sequences attended together: ``q_index`` (S, Q) rows of the packed T (padding -> row of the first query),
+    ``q_valid`` (S, Q), ``kv_slots`` (S, L) cache slots, ``mask`` (S, 1, Q, L) True = attend."""
+
+    q_index: torch.Tensor  # (S, Q)
+    q_valid: torch.Tensor  # (S, Q)
+    kv_slots: torch.Tensor  # (S, L)
+    mask: torch.Tensor | None  # (S, 1, Q, L); None when no entry is masked
+
+
+@dataclass(frozen=True, slots=True)
+class StepMetadata:
+    """Everything the attention needs for one forward, built once per step by the model runner."""
+
+    slot_mapping: torch.Tensor  # (T,)
+    groups: tuple[AttentionGroup, ...]
+    num_pairs: int  # query-key pairs actually needed
+    num_padded_pairs: int  # query-key pairs computed (padding included)
+
+
+def build_group(
+    starts: list[int], lengths: list[int], offsets: list[int], slots_of: Callable, device: torch.device
+) -> AttentionGroup:
+    """Attention group for S sequences whose chunks begin at position ``starts[s]``, have ``lengths[s]`` new tokens
+    and sit at row ``offsets[s]`` of the packed batch; ``slots_of(rows, positions)`` maps (S, L) to cache slots."""
+    q_max, l_max = max(lengths), max(s + n for s, n in zip(starts, lengths, strict=True))
+    all_full = all(s + n == l_max for s, n in zip(starts, lengths, strict=True))
+    starts_t, lengths_t, offsets_t = torch.tensor([starts, lengths, offsets], device=device)  # (S,) each
+    q = torch.arange(q_max, device=device)  # (Q,)
+    k = torch.arange(l_max, device=device)  # (L,)
+    q_valid = q[None, :] < lengths_t[:, None]  # (S, Q)
+    q_index = offsets_t[:, None] + torch.where(q_valid, q[None, :], 0)  # (S, Q)
+    k_valid = k[None, :] < (starts_t + lengths_t)[:, None]  # (S, L)
+    rows = torch.arange(len(starts), device=device)[:, None].expand(-1, l_max)  # (S, L)
+    kv_slots = slots_of(rows, torch.where(k_valid, k[None, :], 0))  # (S, L)
+    if q_max == 1 and all_full:
+        return AttentionGroup(q_index, q_valid, kv_slots, None)  # decodes of equal context: nothing to mask
+    q_pos = starts_t[:, None] + q[None, :]  # (S, Q)
+    mask = (k[None, None, :] <= q_pos[:, :, None]) & q_valid[:, :, None]  # (S, Q, L)
+    mask |= (~q_valid)[:, :, None] & (k == 0)[None, None, :]  # padded query rows see column 0 only
+    return AttentionGroup(q_index, q_valid, kv_slots, mask[:, None])
+
+
+class PagedAttention:
+    """The attention function registered under ``name``; reads the metadata of the step being run."""
+
+    _ids = itertools.count()
+
+    def __init__(self, cache: PagedKVCache) -> None:
+        self.cache = cache
+        self.metadata: StepMetadata | None = None
+        self.name = f"cb_impl_paged_{next(self._ids)}"
+        AttentionInterface.register(self.name, self.__call__)
+
+    def __call__(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,  # (1, Hq, T, D)
+        key: torch.Tensor,  # (1, Hkv, T, D)
+        value: torch.Tensor,  # (1, Hkv, T, D)
+        attention_mask: torch.Tensor | None,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        **kwargs: object,
+    ) -> tuple[torch.Tensor, None]:
+        meta = self.metadata
+        if meta is None:
+            raise RuntimeError(f"{self.name} called outside an engine step (model not attached to the engine)")
+        if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
+            raise NotImplementedError("cb_impl supports full causal attention only (no sliding window / softcap)")
+        if query.shape[0] != 1:
+            raise RuntimeError(f"cb_impl packs all sequences into batch 1, got query batch {query.shape[0]}")
+        layer = module.layer_idx
+        self.cache.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
+        q = query[0].transpose(0, 1)  # (T, Hq, D)
+        out = torch.empty_like(q)  # (T, Hq, D)
+        k_cache, v_cache = self.cache.key[layer], self.cache.value[layer]  # (slots, Hkv, D)
+        for g in meta.groups:
+            qg = q[g.q_index].transpose(1, 2)  # (S, Hq, Q, D)
+            kg = k_cache[g.kv_slots].transpose(1, 2).to(q.dtype)  # (S, Hkv, L, D)
+            vg = v_cache[g.kv_slots].transpose(1, 2).to(q.dtype)  # (S, Hkv, L, D)
+            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scaling, enable_gqa=True)
+            out[g.q_index[g.q_valid]] = og.transpose(1, 2)[g.q_valid]  # (S, Q, Hq, D) -> valid rows
+        return out[None], None  # (1, T, Hq, D)
+
+    @contextmanager
+    def attached(self, model: torch.nn.Module) -> Iterator[None]:
+        """Route ``model``'s attention here (eval mode, no grad); restore its attention implementation and
+        training mode afterwards, also when the body raises."""
+        original, was_training = model.config._attn_implementation, model.training
+        try:
+            model.set_attn_implementation(self.name)
+            model.eval()
+            with torch.no_grad():
+                yield
+        finally:
+            model.set_attn_implementation(original)
+            model.train(was_training)
+            self.metadata = None

@@ -1,0 +1,195 @@
+"""``LLMEngine``: continuous batching over a paged KV cache; ``step()`` = schedule -> run -> sample -> postprocess.
+
+Contract (DESIGN §2-3): ``generate(requests)`` returns one ``Rollout`` per request in request order, identical to
+``reference.generate.generate(model, requests)`` under DESIGN §4's tolerance tier, whatever the batch composition,
+arrival order, block size, chunking, memory budget (preemption) and prompt sharing. Bad input raises ``ValueError``
+before any work. A model error during a step fails the requests of that step with that error
+(:class:`EngineStepError`), frees their blocks and leaves the engine usable. The engine is persistent and reads the
+model's weights live at every step, so training updates are seen without any sync.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+
+import torch
+from tqdm.auto import tqdm
+
+from cb_impl.block_manager import BlockManager, blocks_for
+from cb_impl.config import EngineConfig
+from cb_impl.model_runner import ModelRunner
+from cb_impl.sampler import build_sampling_batch, sample
+from cb_impl.scheduler import Scheduler
+from cb_impl.sequence import Sequence
+from reference.spec import Rollout, RolloutRequest, SamplingParams
+
+
+class EngineStepError(RuntimeError):
+    """The model raised during a step; ``request_ids`` were failed and freed, the engine is still usable."""
+
+    def __init__(self, message: str, request_ids: list[str]) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids
+
+
+def check_text_only(model: torch.nn.Module) -> None:
+    """Reject models the engine cannot drive: multimodal or encoder-decoder (text-only decoders, as TRL's CB)."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(model, "get_input_embeddings"):
+        raise ValueError(f"{type(model).__name__} is not a Hugging Face model (no config / input embeddings)")
+    multimodal = [k for k in ("vision_config", "audio_config", "image_token_id", "image_token_index") if
+                  getattr(cfg, k, None) is not None]  # fmt: skip
+    if multimodal or getattr(cfg, "is_encoder_decoder", False):
+        raise ValueError(
+            f"{type(model).__name__} is multimodal or encoder-decoder ({', '.join(multimodal) or 'encoder-decoder'}):"
+            " cb_impl drives text-only decoder models"
+        )
+
+
+class LLMEngine:
+    def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None) -> None:
+        check_text_only(model)
+        self.config = config if config is not None else EngineConfig()
+        if not isinstance(self.config, EngineConfig):
+            raise ValueError(f"config must be an EngineConfig, got {type(self.config).__name__}")
+        self.model = model
+        self.runner = ModelRunner(model, self.config)
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size)
+        self.scheduler = Scheduler(self.block_manager, max_batch_tokens=self.config.max_batch_tokens,
+                                   max_num_seqs=self.config.max_num_seqs,
+                                   enable_prefix_sharing=self.config.enable_prefix_sharing)  # fmt: skip
+        self._next_seq_id = 0
+        self._live: dict[str, Sequence] = {}
+        self._counters = dict.fromkeys(("num_steps", "num_requests", "num_forward_tokens", "num_prefill_tokens",
+                                        "num_decode_tokens", "num_generated_tokens", "num_failed_requests"), 0)  # fmt: skip
+        self._timers = {"schedule_s": 0.0, "model_s": 0.0, "sample_s": 0.0}
+
+    # --- input checking ------------------------------------------------------------------------------------------
+    def _validate(self, requests: Seq[RolloutRequest]) -> None:
+        seen: set[str] = set()
+        vocab, max_len, bs = self.runner.vocab_size, self.runner.max_model_len, self.config.block_size
+        for r in requests:
+            if not isinstance(r, RolloutRequest):
+                raise ValueError(f"expected RolloutRequest, got {type(r).__name__}")
+            rid = r.request_id
+            if rid in seen or rid in self._live:
+                raise ValueError(f"duplicate request id {rid!r}")
+            seen.add(rid)
+            if not r.prompt_ids:
+                raise ValueError(f"request {rid!r}: empty prompt")
+            bad = [t for t in r.prompt_ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"request {rid!r}: token id {bad[0]} outside the vocabulary [0, {vocab})")
+            s = r.sampling
+            if not isinstance(s, SamplingParams):
+                raise ValueError(f"request {rid!r}: sampling must be SamplingParams")
+            SamplingParams.__post_init__(s)  # re-check: frozen dataclasses can be forged with object.__setattr__
+            total = len(r.prompt_ids) + s.max_new_tokens
+            if total > max_len:
+                raise ValueError(f"request {rid!r}: prompt ({len(r.prompt_ids)}) + max_new_tokens ({s.max_new_tokens})"
+                                 f" = {total} exceeds the model's context of {max_len} tokens")  # fmt: skip
+            needed = blocks_for(total - 1, bs)
+            if needed > self.block_manager.num_blocks:
+                raise ValueError(f"request {rid!r} needs {needed} KV-cache blocks of {bs} tokens but the memory budget"
+                                 f" holds {self.block_manager.num_blocks}: raise num_blocks / max_memory_fraction")  # fmt: skip
+
+    # --- incremental API -----------------------------------------------------------------------------------------
+    def add_request(self, request: RolloutRequest) -> None:
+        """Queue one request (validated first); it runs in the following steps."""
+        self._validate([request])
+        self._enqueue(request)
+
+    def _enqueue(self, r: RolloutRequest) -> None:
+        seq = Sequence(self._next_seq_id, r.prompt_ids, max_new_tokens=r.sampling.max_new_tokens,
+                       eos_token_ids=r.eos_token_ids, request=r, request_id=r.request_id)  # fmt: skip
+        self._next_seq_id += 1
+        self._live[r.request_id] = seq
+        self.scheduler.add(seq)
+        self._counters["num_requests"] += 1
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[Rollout]:
+        """Run one step; returns the rollouts that finished during it. Raises :class:`EngineStepError` (after
+        failing and freeing that step's requests) if the model raises."""
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        try:
+            with self.runner.attached():
+                logits = self.runner.run(batch)  # (R, V)
+            t2 = time.perf_counter()
+            seqs = [s for s, _ in batch.samples]
+            params = build_sampling_batch([s.request.sampling for s in seqs], [s.request.seed for s in seqs],
+                                          [s.num_completion_tokens for s in seqs], logits.device)  # fmt: skip
+            tokens, logprobs = sample(logits, params)
+            sampled = list(zip(tokens.tolist(), logprobs.tolist(), strict=True))
+        except Exception as err:
+            failed = batch.sequences + [f for s in batch.sequences for f in s.followers]
+            for seq in failed:
+                self.scheduler.finish(seq, error=err)
+                self._live.pop(seq.request_id, None)
+            self._counters["num_failed_requests"] += len(failed)
+            ids = [s.request_id for s in failed]
+            raise EngineStepError(f"model step failed for requests {ids}: {type(err).__name__}: {err}", ids) from err
+        finished = self.scheduler.postprocess(batch, sampled)
+        c = self._counters
+        c["num_steps"] += 1
+        c["num_forward_tokens"] += batch.num_tokens
+        c["num_decode_tokens"] += sum(1 for s, n in batch.chunks if n == 1 and s.num_completion_tokens > 1)
+        c["num_prefill_tokens"] = c["num_forward_tokens"] - c["num_decode_tokens"]
+        c["num_generated_tokens"] += len(sampled)
+        self._timers["schedule_s"] += t1 - t0
+        self._timers["model_s"] += t2 - t1
+        self._timers["sample_s"] += time.perf_counter() - t2
+        out = []
+        for seq in finished:
+            del self._live[seq.request_id]
+            out.append(Rollout(seq.request_id, seq.prompt_ids, seq.completion_ids, seq.logprobs, seq.finish_reason))
+        return out
+
+    def abort_all(self) -> None:
+        """Drop every unfinished request and free its blocks."""
+        for seq in list(self._live.values()):
+            self.scheduler.finish(seq)
+        self._live.clear()
+
+    # --- batch API ------------------------------------------------------------------------------------------------
+    def generate(self, requests: Seq[RolloutRequest], progress: bool = False) -> list[Rollout]:
+        """Complete every request; rollouts in request order. Needs an idle engine (no incremental requests)."""
+        if self.has_unfinished():
+            raise RuntimeError("generate() needs an idle engine: finish the requests added with add_request() first")
+        requests = list(requests)
+        self._validate(requests)
+        for r in requests:
+            self._enqueue(r)
+        results: dict[str, Rollout] = {}
+        try:
+            with self.runner.attached(), tqdm(total=len(requests), disable=not progress, desc="cb_impl") as bar:
+                while self.has_unfinished():
+                    done = self.step()
+                    results.update((r.request_id, r) for r in done)
+                    bar.update(len(done))
+        except BaseException:
+            self.abort_all()
+            raise
+        return [results[r.request_id] for r in requests]
+
+    @property
+    def stats(self) -> dict[str, float | int]:
+        """Counters since construction: steps, tokens, preemptions, sharing, attention padding, KV-cache size."""
+        r = self.runner
+        return {
+            **self._counters,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_shared_prefills": self.scheduler.num_forks,
+            "num_cow_copies": self.block_manager.num_cow_copies,
+            "attention_padding_waste": 1.0 - r.num_pairs / r.num_padded_pairs if r.num_padded_pairs else 0.0,
+            "kv_cache_bytes": r.cache.num_bytes,
+            "num_blocks": self.block_manager.num_blocks,
+            "block_size": self.config.block_size,
+            "peak_used_blocks": self.block_manager.peak_used_blocks,
+            **{k: round(v, 6) for k, v in self._timers.items()},
+        }

@@ -1,0 +1,185 @@
+"""Which tokens of which sequences run in the next forward (no torch).
+
+Policy, per step (vLLM v1-style unified scheduling):
+
+1. Running sequences, oldest first, each get their uncomputed tokens (1 for a decode, a chunk for a partial
+   prefill) within the ``max_batch_tokens`` budget. When blocks run out, the most recently admitted running
+   sequence is preempted (recompute: its blocks are freed and it returns to the head of the queue); a sequence that
+   is itself the most recent preempts itself.
+2. If nothing was preempted, waiting sequences are admitted in arrival order (FIFO, never skipping the head) while
+   seats (``max_num_seqs``), budget and blocks last. Blocks for the whole input are allocated on admission, so a
+   chunked prefill never runs out halfway. With prefix sharing, fresh sequences with the same prompt queued right
+   behind the head (a GRPO group) are admitted with it as followers: they are forked from the head once its prompt
+   is computed and sample their first token from its last-position logits.
+
+Invariants: tokens scheduled <= ``max_batch_tokens``; running <= ``max_num_seqs``; waiting is sorted by arrival;
+every admitted sequence finishes (or is aborted) exactly once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from cb_impl.block_manager import BlockManager, blocks_for
+from cb_impl.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """One step's work: ``(seq, num_new_tokens)`` chunks in packing order, the sequences that sample this step
+    with the index of the chunk whose last logits they use, and block copies to perform before the forward."""
+
+    chunks: list[tuple[Sequence, int]] = field(default_factory=list)
+    samples: list[tuple[Sequence, int]] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.chunks)
+
+    @property
+    def sequences(self) -> list[Sequence]:
+        """Every sequence this step touches (chunks and forked followers)."""
+        seen = {id(s): s for s, _ in self.chunks}
+        seen.update((id(s), s) for s, _ in self.samples)
+        return list(seen.values())
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_batch_tokens: int,
+        max_num_seqs: int,
+        enable_prefix_sharing: bool = True,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_batch_tokens = max_batch_tokens
+        self.max_num_seqs = max_num_seqs
+        self.enable_prefix_sharing = enable_prefix_sharing
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.num_forks = 0
+
+    def add(self, seq: Sequence) -> None:
+        if self.waiting and self.waiting[-1].seq_id >= seq.seq_id:
+            raise ValueError(f"sequence ids must increase with arrival, got {seq.seq_id} after {self.waiting[-1]}")
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- scheduling --------------------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_batch_tokens
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if seq.parent is not None:  # a follower waits for its parent's prefill
+                i += 1
+                continue
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.can_append(seq, num_new):
+                victim = self.running[-1]
+                self.preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # it preempted itself: everything after it is gone too
+            batch.copies += self.block_manager.may_append(seq, num_new)
+            self._add_chunk(batch, seq, num_new)
+            budget -= num_new
+            i += 1
+        if not preempted:
+            budget = self._admit(batch, budget)
+        return batch
+
+    def _add_chunk(self, batch: ScheduledBatch, seq: Sequence, num_new: int) -> None:
+        batch.chunks.append((seq, num_new))
+        if seq.num_computed_tokens + num_new == seq.num_tokens:
+            chunk_index = len(batch.chunks) - 1
+            batch.samples.append((seq, chunk_index))
+            batch.samples += [(f, chunk_index) for f in seq.followers]
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> int:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            head = self.waiting[0]
+            if not bm.can_allocate(blocks_for(head.num_tokens, bm.block_size)):
+                break
+            self.waiting.popleft()
+            bm.allocate(head, head.num_tokens)
+            head.status = SequenceStatus.RUNNING
+            self.running.append(head)
+            while self.enable_prefix_sharing and head.num_completion_tokens == 0 and self.waiting:
+                nxt = self.waiting[0]
+                if len(self.running) >= self.max_num_seqs or nxt.num_completion_tokens or nxt.token_ids != head.token_ids:
+                    break
+                self.waiting.popleft()
+                nxt.status, nxt.parent = SequenceStatus.RUNNING, head
+                head.followers.append(nxt)
+                self.running.append(nxt)
+            num_new = min(head.num_uncomputed_tokens, budget)
+            self._add_chunk(batch, head, num_new)
+            budget -= num_new
+        return budget
+
+    # --- transitions -------------------------------------------------------------------------------------------
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: free the blocks and put the sequence back at the head of the queue."""
+        for follower in reversed(seq.followers):  # followers are behind their parent; normally already gone
+            self.preempt(follower)
+        if seq.parent is not None:
+            seq.parent.followers.remove(seq)
+            seq.parent = None
+        self.running.remove(seq)
+        self.block_manager.deallocate(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def postprocess(self, batch: ScheduledBatch, sampled: list[tuple[int, float]]) -> list[Sequence]:
+        """Advance the computed counts, fork followers, append the sampled tokens (one per ``batch.samples``
+        entry, same order); returns the sequences that finished, already freed."""
+        if len(sampled) != len(batch.samples):
+            raise ValueError(f"{len(sampled)} sampled tokens for {len(batch.samples)} sampling sequences")
+        for seq, num_new in batch.chunks:
+            seq.num_computed_tokens += num_new
+        for seq, _ in batch.samples:
+            if seq.parent is not None:
+                self.block_manager.fork(seq.parent, seq)
+                seq.num_computed_tokens = seq.parent.num_computed_tokens
+                seq.parent = None
+                self.num_forks += 1
+        for seq, _ in batch.samples:
+            seq.followers = []
+        finished = []
+        for (seq, _), (token, logprob) in zip(batch.samples, sampled, strict=True):
+            if seq.append_token(token, logprob):
+                self.finish(seq)
+                finished.append(seq)
+        return finished
+
+    def finish(self, seq: Sequence, error: BaseException | None = None) -> None:
+        """Remove a sequence (finished, failed or aborted) from the queues and free its blocks."""
+        for follower in list(seq.followers):
+            follower.parent = None
+        seq.followers = []
+        if seq.parent is not None:
+            seq.parent.followers.remove(seq)
+            seq.parent = None
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.deallocate(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.error = error

@@ -1,0 +1,111 @@
+"""One request's mutable generation state (pure Python: no torch, so the bookkeeping tests run in milliseconds).
+
+Invariants, for a sequence ``s``:
+
+- ``s.token_ids == prompt + completion``; ``len(completion) <= max_new_tokens``; ``len(s.logprobs) == len(completion)``;
+- ``0 <= s.num_computed_tokens <= s.num_tokens``: the first ``num_computed_tokens`` tokens have their keys/values in
+  the KV cache, in the blocks listed by ``s.block_table`` (position ``p`` lives in ``block_table[p // block_size]``);
+- a ``WAITING`` sequence holds no blocks and has ``num_computed_tokens == 0``;
+- a sequence with a ``parent`` is ``RUNNING`` but holds no blocks yet: it waits for the parent's prompt prefill and
+  is then forked from it (shares its blocks) and sampled from the parent's last-position logits;
+- a ``FINISHED`` sequence holds no blocks and has a ``finish_reason`` (or an ``error``).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Generation state of one request. ``seq_id`` is the arrival index: smaller ids arrived earlier."""
+
+    __slots__ = (
+        "seq_id", "request", "request_id", "token_ids", "num_prompt_tokens", "max_new_tokens", "eos_token_ids",
+        "logprobs", "num_computed_tokens", "block_table", "status", "parent", "followers", "finish_reason", "error",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        seq_id: int,
+        prompt_ids: tuple[int, ...] | list[int],
+        *,
+        max_new_tokens: int,
+        eos_token_ids: tuple[int, ...] | frozenset[int] = (),
+        request: Any = None,
+        request_id: str | None = None,
+    ) -> None:
+        if not prompt_ids:
+            raise ValueError(f"sequence {seq_id}: empty prompt")
+        if max_new_tokens < 1:
+            raise ValueError(f"sequence {seq_id}: max_new_tokens must be >= 1, got {max_new_tokens}")
+        self.seq_id = seq_id
+        self.request = request
+        self.request_id = request_id if request_id is not None else str(seq_id)
+        self.token_ids: list[int] = list(prompt_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.max_new_tokens = max_new_tokens
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.logprobs: list[float] = []
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.parent: Sequence | None = None
+        self.followers: list[Sequence] = []
+        self.finish_reason: str | None = None
+        self.error: BaseException | None = None
+
+    # --- derived quantities -------------------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_ids(self) -> tuple[int, ...]:
+        return tuple(self.token_ids[: self.num_prompt_tokens])
+
+    @property
+    def completion_ids(self) -> tuple[int, ...]:
+        return tuple(self.token_ids[self.num_prompt_tokens :])
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still to run through the model before this sequence can sample its next token."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def max_kv_tokens(self) -> int:
+        """The most tokens this sequence ever keeps in the cache: the last sampled token is never written."""
+        return self.num_prompt_tokens + self.max_new_tokens - 1
+
+    # --- transitions -------------------------------------------------------------------------------------------
+    def append_token(self, token_id: int, logprob: float) -> bool:
+        """Record a sampled token; returns True (and sets ``finish_reason``) when the sequence is now complete."""
+        if self.is_finished:
+            raise RuntimeError(f"sequence {self.request_id!r}: token appended after it finished")
+        self.token_ids.append(token_id)
+        self.logprobs.append(logprob)
+        if token_id in self.eos_token_ids:
+            self.finish_reason = "stop"
+        elif self.num_completion_tokens >= self.max_new_tokens:
+            self.finish_reason = "length"
+        return self.finish_reason is not None
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, {self.status.value}, tokens={self.num_prompt_tokens}+"
+            f"{self.num_completion_tokens}, computed={self.num_computed_tokens}, blocks={self.block_table})"
+        )
