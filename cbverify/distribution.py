@@ -1,0 +1,157 @@
+"""Sampling-distribution test for engines with their own RNG (``hf-generate``, ``transformers-cb``).
+
+Method. One sampled request is replicated ``num_samples`` times in a single ``generate`` call (each copy gets its own
+draws from the engine's RNG). At every completion position ``j`` the copies are grouped by their prefix
+``completion[:j]``; each prefix seen at least ``min_count`` times is a *node*, and the next tokens observed at a node
+are an i.i.d. sample from the engine's conditional distribution there. That is compared with the reference's
+processed distribution (``reference.generate.process_logits`` on the teacher-forced logits after that prefix) by a
+chi-square goodness-of-fit test (``scipy.stats.chisquare``; tokens expected fewer than 5 times are pooled into one
+bin so the chi-square approximation holds). A token the reference gives probability 0 (outside the processed
+support: cut by top-k / top-p / min-p) observed even once makes the node's p-value 0.
+
+False alarms. All node p-values of one call (every position, prefix and request) form one family, corrected with
+Holm-Bonferroni: the probability that a *correct* engine fails one call is <= ``alpha`` (default 1e-3) whatever the
+dependence between nodes. A test suite that makes ``m`` such calls has a false-alarm rate <= ``m * alpha`` (union
+bound); Hypothesis' ``ci`` profile is derandomised and the engines are seeded, so a run is also reproducible.
+
+Oracle: the reference's processed distribution (``reference.generate.process_logits``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from scipy import stats
+
+from cbverify.engines import Engine
+from reference import logprobs as ref_logprobs
+from reference.generate import process_logits
+from reference.spec import Rollout, RolloutRequest
+
+MIN_EXPECTED = 5.0  # the usual validity condition of the chi-square approximation
+
+
+@dataclass(frozen=True, slots=True)
+class NodeTest:
+    """One chi-square test: request, position, prefix, sample size, p-value, and the worst-fitting token."""
+
+    request_id: str
+    position: int
+    prefix: tuple[int, ...]
+    num_samples: int
+    p_value: float
+    worst_token: int
+    observed: int
+    expected: float
+
+
+@dataclass(frozen=True, slots=True)
+class DistributionResult:
+    """Holm-corrected outcome of all node tests; ``rejected`` lists the nodes that fail at family-wise ``alpha``."""
+
+    alpha: float
+    tests: tuple[NodeTest, ...]
+    rejected: tuple[NodeTest, ...]
+
+    @property
+    def passed(self) -> bool:
+        return not self.rejected
+
+    def describe(self) -> str:
+        lines = [f"{len(self.tests)} node tests, Holm family-wise alpha {self.alpha:g}: {len(self.rejected)} rejected"]
+        for t in self.rejected[:5]:
+            lines.append(
+                f"  request {t.request_id!r} position {t.position} prefix {list(t.prefix)}: p={t.p_value:.3g} "
+                f"(n={t.num_samples}; token {t.worst_token} seen {t.observed}x, expected {t.expected:.1f})"
+            )
+        return "\n".join(lines)
+
+
+def replicate(request: RolloutRequest, num_samples: int) -> list[RolloutRequest]:
+    """``num_samples`` copies of a request with ids ``<id>#k`` and seeds ``seed + k`` (ignored by RNG engines)."""
+    rid = request.request_id
+    return [replace(request, request_id=f"{rid}#{k}", seed=request.seed + k) for k in range(num_samples)]
+
+
+def chi_square_node(observed: Counter, probs: torch.Tensor) -> tuple[float, int, int, float]:
+    """``(p_value, worst_token, observed, expected)`` for counts ``observed`` against probabilities ``probs`` (V,)."""
+    n = sum(observed.values())
+    expected = probs.double().cpu() * n  # (V,)
+    outside = [t for t in observed if expected[t] == 0]
+    if outside:
+        return 0.0, outside[0], observed[outside[0]], 0.0
+    big = [t for t in range(len(expected)) if expected[t] >= MIN_EXPECTED]
+    small = [t for t in range(len(expected)) if 0 < expected[t] < MIN_EXPECTED]
+    f_obs = [float(observed.get(t, 0)) for t in big]
+    f_exp = [float(expected[t]) for t in big]
+    if small:
+        pooled_obs, pooled_exp = float(sum(observed.get(t, 0) for t in small)), float(expected[small].sum())
+        if pooled_exp >= MIN_EXPECTED or not f_exp:
+            f_obs.append(pooled_obs)
+            f_exp.append(pooled_exp)
+        else:  # too little mass to stand alone: merge it into the smallest kept bin
+            j = min(range(len(f_exp)), key=f_exp.__getitem__)
+            f_obs[j] += pooled_obs
+            f_exp[j] += pooled_exp
+    residuals = {t: abs(observed.get(t, 0) - float(expected[t])) / max(float(expected[t]), 1e-12) ** 0.5 for t in big}
+    worst = max(residuals, key=residuals.get) if residuals else (small[0] if small else 0)
+    if len(f_obs) < 2:
+        return 1.0, worst, observed.get(worst, 0), float(expected[worst])
+    scale = sum(f_obs) / sum(f_exp)  # remove float rounding so scipy's sum check passes
+    p = float(stats.chisquare(f_obs, [e * scale for e in f_exp]).pvalue)
+    return p, worst, observed.get(worst, 0), float(expected[worst])
+
+
+def node_tests(model, request: RolloutRequest, samples: Sequence[Rollout], *, min_count: int) -> list[NodeTest]:
+    """Chi-square tests at every (position, prefix) node visited by at least ``min_count`` samples."""
+    if request.sampling.greedy:
+        raise ValueError("the distribution test is for sampled requests; greedy tokens are compared exactly")
+    nodes: dict[tuple[int, ...], Counter] = defaultdict(Counter)
+    for rollout in samples:
+        for j, token in enumerate(rollout.completion_ids):
+            nodes[rollout.completion_ids[:j]][token] += 1
+    tests = []
+    for prefix, counts in sorted(nodes.items(), key=lambda kv: (len(kv[0]), kv[0])):
+        if sum(counts.values()) < min_count:
+            continue
+        logits = ref_logprobs.completion_logits(model, request.prompt_ids, [*prefix, 0])[-1]  # (V,)
+        probs = process_logits(logits, request.sampling).exp()  # (V,)
+        p, worst, obs, exp = chi_square_node(counts, probs)
+        tests.append(NodeTest(request.request_id, len(prefix), prefix, sum(counts.values()), p, worst, obs, exp))
+    return tests
+
+
+def holm(tests: Sequence[NodeTest], alpha: float) -> tuple[NodeTest, ...]:
+    """Holm-Bonferroni step-down: the tests rejected at family-wise error rate ``alpha``."""
+    ordered = sorted(tests, key=lambda t: t.p_value)
+    rejected = []
+    for rank, test in enumerate(ordered):
+        if test.p_value > alpha / (len(ordered) - rank):
+            break
+        rejected.append(test)
+    return tuple(rejected)
+
+
+def distribution_test(
+    engine: Engine,
+    model,
+    requests: Sequence[RolloutRequest],
+    *,
+    num_samples: int = 200,
+    min_count: int = 50,
+    alpha: float = 1e-3,
+) -> DistributionResult:
+    """Sample each (sampled) request ``num_samples`` times through ``engine`` in one call, test every node, Holm."""
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+    if num_samples < min_count:
+        raise ValueError(f"num_samples ({num_samples}) < min_count ({min_count}): nothing would be tested")
+    batch = [copy for request in requests for copy in replicate(request, num_samples)]
+    rollouts = engine.generate(batch)
+    tests: list[NodeTest] = []
+    for k, request in enumerate(requests):
+        tests += node_tests(model, request, rollouts[k * num_samples : (k + 1) * num_samples], min_count=min_count)
+    return DistributionResult(alpha, tuple(tests), holm(tests, alpha))

@@ -1,0 +1,111 @@
+"""The Engine protocol (DESIGN §2), capability declarations, and the registry of every system under test.
+
+Contract of an engine: ``generate(requests) -> list[Rollout]`` returns one rollout per request, in request order; an
+engine that cannot serve a request raises :class:`NotApplicable` naming the reason (never a silent fallback), and an
+upstream failure (a request that comes back failed or missing) raises :class:`EngineError` (never an empty output).
+
+Engine names (used by the CLI, the tests, the benchmarks): ``reference``, ``cb_impl``, ``hf-generate``,
+``transformers-cb``. Get one with :func:`get_engine` ``(name, model, **options)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
+
+from reference.spec import Rollout, RolloutRequest
+
+LogprobSemantics = Literal["processed", "raw", "none"]
+
+
+class NotApplicable(Exception):
+    """The engine cannot serve these requests as asked (e.g. an unsupported sampling option). Carries the reason."""
+
+    def __init__(self, engine: str, reason: str) -> None:
+        super().__init__(f"{engine}: not applicable: {reason}")
+        self.engine = engine
+        self.reason = reason
+
+
+class EngineError(RuntimeError):
+    """The engine (or the upstream library behind it) failed: a request came back failed, missing or malformed."""
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What an engine claims; the suite checks exactly these claims and reports (does not assert) the rest.
+
+    - ``spec_sampling``: sampled tokens follow the counter-based Gumbel noise of ``reference.spec`` (so they must
+      equal the reference's token for token); otherwise the engine has its own RNG and is checked by distribution.
+    - ``per_request_max_new_tokens`` / ``per_request_sampling`` / ``per_request_eos``: requests in one call may
+      differ in these without the engine falling back or refusing.
+    - ``logprob_semantics``: ``processed`` (the spec: log-prob under the processed distribution the token was drawn
+      from), ``raw`` (``log_softmax`` of the raw logits) or ``none`` (no log-probs returned).
+    - ``claims_batch_invariance``: a request's tokens and log-probs do not depend on what else is in the batch.
+    - ``supports_min_p``: min-p is honoured (possibly by grouping requests with equal min-p).
+    """
+
+    spec_sampling: bool
+    per_request_max_new_tokens: bool
+    per_request_sampling: bool
+    per_request_eos: bool
+    logprob_semantics: LogprobSemantics
+    claims_batch_invariance: bool
+    supports_min_p: bool = True
+
+    def __post_init__(self) -> None:
+        if self.logprob_semantics not in ("processed", "raw", "none"):
+            raise ValueError(f"logprob_semantics must be processed|raw|none, got {self.logprob_semantics!r}")
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A system under test. ``generate`` follows the module contract above."""
+
+    name: str
+    capabilities: Capabilities
+
+    def generate(self, requests: Sequence[RolloutRequest]) -> list[Rollout]: ...
+
+
+ENGINE_MODULES: dict[str, tuple[str, str]] = {
+    "reference": ("cbverify.engines.reference_engine", "ReferenceEngine"),
+    "cb_impl": ("cbverify.engines.cb_impl_engine", "CbImplEngine"),
+    "hf-generate": ("cbverify.engines.hf_generate", "HFGenerateEngine"),
+    "transformers-cb": ("cbverify.engines.transformers_cb", "TransformersCBEngine"),
+}
+ENGINE_NAMES: tuple[str, ...] = tuple(ENGINE_MODULES)
+
+
+def get_engine(name: str, model, **options) -> Engine:
+    """The engine ``name`` wrapping ``model``; ``options`` go to its constructor (see each adapter)."""
+    if name not in ENGINE_MODULES:
+        raise ValueError(f"unknown engine {name!r}; known engines: {', '.join(ENGINE_NAMES)}")
+    module, cls = ENGINE_MODULES[name]
+    return getattr(importlib.import_module(module), cls)(model, **options)
+
+
+def check_unique_ids(engine: str, requests: Sequence[RolloutRequest]) -> None:
+    """Every adapter's first step: request ids key the results, so duplicates would silently merge two requests."""
+    ids = [r.request_id for r in requests]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{engine}: request_ids must be unique within one generate() call")
+
+
+def finish_rollout(request: RolloutRequest, tokens: Sequence[int], logprobs: Sequence[float]) -> Rollout:
+    """Cut ``tokens`` at the first EOS (kept) and at ``max_new_tokens``; set ``finish_reason`` (DESIGN §2).
+
+    For adapters whose upstream keeps going past a request's own limits (a shared ``max_new_tokens`` or a shared
+    EOS set). ``logprobs`` must be as long as ``tokens``.
+    """
+    if len(tokens) != len(logprobs):
+        raise EngineError(f"request {request.request_id!r}: {len(logprobs)} logprobs for {len(tokens)} tokens")
+    limit = request.sampling.max_new_tokens
+    cut, reason = min(len(tokens), limit), "length"
+    for i, token in enumerate(tokens[:limit]):
+        if token in request.eos_token_ids:
+            cut, reason = i + 1, "stop"
+            break
+    return Rollout(request.request_id, request.prompt_ids, tuple(tokens[:cut]), tuple(logprobs[:cut]), reason)

@@ -1,0 +1,165 @@
+"""transformers continuous batching (``generation/continuous_batching``, 5.24) through its manager.
+
+What the adapter relies on (read in the installed 5.24 source, ``continuous_api.py``, ``cb_logits_processors.py``,
+``model_runner.py``, ``requests.py``):
+
+- ``generate_batch`` takes one ``max_new_tokens`` for all prompts and *logs and swallows* exceptions, returning
+  partial results; so the adapter drives the manager: ``init_continuous_batching`` / ``start`` / ``add_request``
+  (per-request ``max_new_tokens``, ``eos_token_id`` and processor kwargs) / ``get_result`` / ``stop``.
+- ``do_sample`` and min-p are global to a manager; temperature, top-k and top-p are per-request only with
+  ``per_request_processors=True`` *and* a processor built at creation (temperature != 1, top-k != 0, top-p < 1 in
+  the ``GenerationConfig``). So requests are grouped by ``(greedy, min_p)`` (one manager per group, first-appearance
+  order), the sampling manager is built with placeholder values that force all three processors, and every request
+  passes its own ``temperature``, ``top_k`` (0 -> vocab size: CB's top-k has no "disabled" value) and ``top_p``.
+- Log-probs (``return_logprobs=True``): ``log(softmax(processed_scores)[token])`` in float32, i.e. *processed*
+  semantics when sampling and ``log_softmax(logits)`` when greedy (no processors are built) — the spec's semantics.
+- EOS: ``eos_token_id=[]`` means "no EOS"; an EOS is appended to ``generated_tokens`` (DESIGN §2 convention).
+- Randomness: ``torch.multinomial`` on torch's global RNG, which the manager itself reseeds (``torch.manual_seed``)
+  from ``ContinuousBatchingConfig.seed``; the adapter passes its ``seed`` option and restores the caller's RNG.
+
+CPU sizing: small explicit ``page_size`` / ``num_blocks`` / ``max_batch_tokens`` (the defaults reserve GBs).
+``num_blocks=None`` sizes the cache for the whole workload: sum over requests of ceil(len / page_size) + 1.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+from collections.abc import Sequence
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation import ContinuousBatchingConfig
+
+from cbverify.engines import Capabilities, EngineError, check_unique_ids
+from reference.spec import Rollout, RolloutRequest
+
+_PLACEHOLDER_TEMPERATURE = 0.5  # != 1.0, so the temperature processor exists; every request overrides it
+_PLACEHOLDER_TOP_P = 0.999  # < 1.0, so the top-p processor exists; every request overrides it
+
+
+class TransformersCBEngine:
+    """transformers' CB manager: own RNG, processed log-probs, packed (unpadded) batches."""
+
+    name = "transformers-cb"
+    capabilities = Capabilities(
+        spec_sampling=False,
+        per_request_max_new_tokens=True,
+        per_request_sampling=True,  # temperature / top-k / top-p per request; min-p by grouping
+        per_request_eos=True,
+        logprob_semantics="processed",
+        claims_batch_invariance=False,  # packed varlen batches change reduction shapes; the RNG stream is shared
+    )
+
+    def __init__(
+        self,
+        model,
+        *,
+        seed: int = 0,
+        page_size: int = 16,
+        num_blocks: int | None = None,
+        max_batch_tokens: int = 256,
+        timeout_s: float = 600.0,
+    ) -> None:
+        if page_size < 1 or max_batch_tokens < 1 or (num_blocks is not None and num_blocks < 1):
+            raise ValueError("page_size, max_batch_tokens and num_blocks must be >= 1")
+        self.model = model
+        self.seed = seed
+        self.page_size = page_size
+        self.num_blocks = num_blocks
+        self.max_batch_tokens = max_batch_tokens
+        self.timeout_s = timeout_s
+        self.vocab_size = model.config.get_text_config().vocab_size
+
+    def generate(self, requests: Sequence[RolloutRequest]) -> list[Rollout]:
+        check_unique_ids(self.name, requests)
+        groups: dict[tuple[bool, float], list[RolloutRequest]] = {}
+        for request in requests:
+            s = request.sampling
+            groups.setdefault((s.greedy, 0.0 if s.greedy else s.min_p), []).append(request)
+        by_id: dict[str, Rollout] = {}
+        # The manager calls gc.collect() twice per stop: ~0.3 s each in a process holding a big heap (pytest, an
+        # interpreter with a model loaded). Freezing the existing heap for the call makes those collections scan
+        # only the manager's own objects; unfreeze() hands the heap back to the collector afterwards.
+        gc.freeze()
+        try:
+            with torch.random.fork_rng(devices=[]):  # the manager reseeds torch's global RNG
+                for (greedy, min_p), group in groups.items():
+                    by_id.update(self._run_group(group, greedy=greedy, min_p=min_p))
+        finally:
+            gc.unfreeze()
+        return [by_id[r.request_id] for r in requests]
+
+    def _configs(self, group: list[RolloutRequest], *, greedy: bool, min_p: float):
+        """The manager's ``(GenerationConfig, ContinuousBatchingConfig)`` for one group."""
+        cfg = self.model.config
+        common = dict(
+            max_new_tokens=max(r.sampling.max_new_tokens for r in group), pad_token_id=cfg.pad_token_id,
+            eos_token_id=cfg.eos_token_id,  # unused: every request passes its own (silences a warning)
+        )  # fmt: skip
+        if greedy:
+            gen = GenerationConfig(do_sample=False, **common)
+        else:
+            gen = GenerationConfig(
+                do_sample=True, temperature=_PLACEHOLDER_TEMPERATURE, top_k=self.vocab_size, top_p=_PLACEHOLDER_TOP_P,
+                min_p=min_p if min_p > 0 else None, **common,
+            )  # fmt: skip
+        num_blocks = self.num_blocks or sum(
+            math.ceil((len(r.prompt_ids) + r.sampling.max_new_tokens) / self.page_size) + 1 for r in group
+        )
+        cb = ContinuousBatchingConfig(
+            return_logprobs=True, page_size=self.page_size, num_blocks=num_blocks,
+            max_batch_tokens=self.max_batch_tokens, per_request_processors=True, seed=self.seed,
+        )  # fmt: skip
+        return gen, cb
+
+    def _run_group(self, group: list[RolloutRequest], *, greedy: bool, min_p: float) -> dict[str, Rollout]:
+        gen, cb = self._configs(group, greedy=greedy, min_p=min_p)
+        manager = self.model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+        manager.start()
+        outputs = {}
+        try:
+            for r in group:
+                kwargs = {}
+                if not greedy:
+                    s = r.sampling
+                    kwargs = dict(temperature=float(s.temperature), top_k=s.top_k or self.vocab_size)
+                    kwargs["top_p"] = float(s.top_p)
+                accepted = manager.add_request(
+                    list(r.prompt_ids), request_id=r.request_id, max_new_tokens=r.sampling.max_new_tokens,
+                    eos_token_id=list(r.eos_token_ids), **kwargs,
+                )  # fmt: skip
+                if accepted is None:
+                    raise EngineError(f"{self.name}: the manager refused request {r.request_id!r}")
+            deadline = time.monotonic() + self.timeout_s
+            while len(outputs) < len(group):
+                result = manager.get_result(timeout=1.0)
+                if result is not None and result.is_finished():
+                    outputs[result.request_id] = result
+                elif result is None and not manager.is_running():
+                    fatal = manager.background_thread_status.fatal_error
+                    done = f"{len(outputs)}/{len(group)}"
+                    raise EngineError(f"{self.name}: generation thread died with {done} done: {fatal!r}")
+                if time.monotonic() > deadline:
+                    left = len(group) - len(outputs)
+                    raise EngineError(f"{self.name}: {left} requests unfinished after {self.timeout_s}s")
+        finally:
+            manager.stop(block=True)
+        return {r.request_id: self._to_rollout(r, outputs.get(r.request_id)) for r in group}
+
+    def _to_rollout(self, request: RolloutRequest, output) -> Rollout:
+        """Upstream output -> Rollout, refusing anything failed, missing or malformed (never an empty rollout)."""
+        if output is None:
+            raise EngineError(f"{self.name}: request {request.request_id!r} came back missing")
+        if output.error is not None:
+            raise EngineError(f"{self.name}: request {request.request_id!r} failed upstream: {output.error}")
+        tokens, logprobs = list(output.generated_tokens), list(output.logprobs)
+        if not tokens or len(tokens) != len(logprobs):
+            raise EngineError(
+                f"{self.name}: request {request.request_id!r} returned {len(tokens)} tokens, {len(logprobs)} logprobs"
+            )
+        if list(output.prompt_ids) != list(request.prompt_ids):
+            raise EngineError(f"{self.name}: request {request.request_id!r} came back with a different prompt")
+        reason = "stop" if tokens[-1] in request.eos_token_ids else "length"
+        return Rollout(request.request_id, request.prompt_ids, tuple(tokens), tuple(logprobs), reason)

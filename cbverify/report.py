@@ -1,0 +1,169 @@
+"""One row per engine: run it on a workload, judge it with :mod:`cbverify.compare`, render text / Markdown / JSON.
+
+:func:`evaluate_engine` is what ``cbverify verify`` runs per engine and what the cross-engine tests can call for a
+whole-workload verdict; the checks it applies are exactly the functions the property tests use.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from cbverify import compare
+from cbverify.distribution import DistributionResult, distribution_test
+from cbverify.engines import Engine, NotApplicable
+from cbverify.tolerances import Tier
+from reference.spec import Rollout, RolloutRequest
+
+
+@dataclass(slots=True)
+class EngineRow:
+    """The verdict on one engine. ``status`` is PASS, FAIL or N/A (the engine declared the workload not applicable)."""
+
+    engine: str
+    status: str = "FAIL"
+    tokens_equal: int = 0
+    tokens_compared: int = 0
+    near_ties: int = 0
+    logprob_max_diff: float = float("nan")
+    logprob_mean_diff: float = float("nan")
+    mismatch_kl: float = float("nan")
+    ess: float = float("nan")
+    distribution: str = "-"
+    wall_s: float = 0.0
+    completion_tokens: int = 0
+    problems: list[str] = field(default_factory=list)
+    divergences: list[str] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.wall_s if self.wall_s > 0 else float("nan")
+
+
+def evaluate_engine(
+    engine: Engine,
+    model,
+    requests: Sequence[RolloutRequest],
+    reference: Sequence[Rollout],
+    tier: Tier,
+    *,
+    repro: str = "",
+    dist_requests: Sequence[RolloutRequest] = (),
+    dist_samples: int = 200,
+) -> EngineRow:
+    """Run ``engine`` on ``requests`` and judge it against the reference's rollouts ``reference`` under ``tier``.
+
+    PASS needs: complete, ordered results; DESIGN §2 conventions; identical tokens where comparable (divergences only
+    at accepted near-ties); returned log-probs within the tier of the reference's teacher-forced ones (unless the
+    engine returns none); and, for own-RNG engines given ``dist_requests``, the distribution test.
+    """
+    row = EngineRow(engine.name)
+    start = time.perf_counter()
+    try:
+        rollouts = engine.generate(requests)
+    except NotApplicable as err:
+        row.status, row.problems = "N/A", [err.reason]
+        return row
+    except Exception as err:  # surfaced in the report as a FAIL with the error, never swallowed silently
+        row.problems = [f"generate raised {type(err).__name__}: {err}"]
+        return row
+    row.wall_s = time.perf_counter() - start
+    row.completion_tokens = sum(len(r.completion_ids) for r in rollouts)
+    row.problems = compare.check_results(requests, rollouts)
+    if row.problems:
+        return row
+    for request, rollout in zip(requests, rollouts, strict=True):
+        row.problems += compare.check_conventions(request, rollout)
+    caps = engine.capabilities
+    for request, ref, got in zip(requests, reference, rollouts, strict=True):
+        if not compare.tokens_comparable(caps, request):
+            continue
+        row.tokens_compared += 1
+        div = compare.compare_tokens(model, request, ref, got, engine=engine.name, tier=tier, repro=repro)
+        if div is None:
+            row.tokens_equal += 1
+        else:
+            row.near_ties += div.accepted
+            row.divergences.append(div.describe())
+            if not div.accepted:
+                row.problems.append(f"request {request.request_id!r}: tokens diverge at position {div.position}")
+    if caps.logprob_semantics != "none":
+        expected = compare.teacher_forced_logprobs(model, requests, rollouts, caps.logprob_semantics)
+        diff = compare.logprob_diffs(rollouts, expected)
+        row.logprob_max_diff, row.logprob_mean_diff = diff.max_abs, diff.mean_abs
+        if diff.max_abs > tier.logprob_max_abs or diff.mean_abs > tier.logprob_mean_abs:
+            row.problems.append(
+                f"log-probs off: max {diff.max_abs:.3g} (at {diff.worst_request!r} position {diff.worst_position}), "
+                f"mean {diff.mean_abs:.3g}; tier {tier.name} allows {tier.logprob_max_abs:g}/{tier.logprob_mean_abs:g}"
+            )
+        metrics = compare.mismatch(model, requests, rollouts)
+        row.mismatch_kl, row.ess = metrics["mismatch_kl"], metrics["ess"]
+    if dist_requests and not caps.spec_sampling:
+        result: DistributionResult = distribution_test(engine, model, dist_requests, num_samples=dist_samples)
+        row.distribution = f"{len(result.tests) - len(result.rejected)}/{len(result.tests)} ok"
+        if not result.passed:
+            row.problems.append("sampling distribution: " + result.describe())
+    row.status = "PASS" if not row.problems else "FAIL"
+    return row
+
+
+def environment(device: str, dtype: str, model_name: str, tier: Tier) -> dict[str, str]:
+    """The versions and setup printed at the top of every report."""
+    import transformers
+    import trl
+
+    return {
+        "model": model_name, "device": device, "dtype": dtype, "tier": tier.name,
+        "torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
+        "python": platform.python_version(),
+    }  # fmt: skip
+
+
+COLUMNS = ("engine", "verdict", "tokens equal", "near ties", "max |dlogp|", "mean |dlogp|", "mismatch KL", "ESS",
+           "distribution", "wall s", "tok/s")  # fmt: skip
+
+
+def _cells(row: EngineRow) -> list[str]:
+    f = lambda x, spec: "-" if x != x else format(x, spec)  # noqa: E731  (NaN -> "-")
+    equal = f"{row.tokens_equal}/{row.tokens_compared}" if row.tokens_compared else "-"
+    return [row.engine, row.status, equal, str(row.near_ties), f(row.logprob_max_diff, ".2e"),
+            f(row.logprob_mean_diff, ".2e"), f(row.mismatch_kl, ".2e"), f(row.ess, ".4f"), row.distribution,
+            f(row.wall_s, ".2f"), f(row.tokens_per_s, ".0f")]  # fmt: skip
+
+
+def render_text(env: dict[str, str], rows: Sequence[EngineRow], *, color: bool) -> str:
+    """A fixed-width table, then every problem and divergence; verdicts coloured only when ``color``."""
+    table = [list(COLUMNS)] + [_cells(r) for r in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(COLUMNS))]
+    paint = {"PASS": "\033[32m", "FAIL": "\033[31m", "N/A": "\033[33m"}
+    out = ["  ".join(f"{k}={v}" for k, v in env.items()), ""]
+    for n, line in enumerate(table):
+        cells = [c.ljust(w) for c, w in zip(line, widths, strict=True)]
+        if color and n > 0:
+            cells[1] = paint.get(line[1], "") + cells[1] + "\033[0m"
+        out.append("  ".join(cells).rstrip())
+    for row in rows:
+        for item in row.problems + row.divergences:
+            out.append(f"\n[{row.engine}] {item}")
+    return "\n".join(out)
+
+
+def render_markdown(env: dict[str, str], rows: Sequence[EngineRow]) -> str:
+    head = " · ".join(f"**{k}** {v}" for k, v in env.items())
+    lines = [head, "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
+    details = [f"- `{r.engine}`: {item}" for r in rows for item in r.problems + r.divergences]
+    return "\n".join(lines + ([""] + details if details else [])) + "\n"
+
+
+def to_json(env: dict[str, str], rows: Sequence[EngineRow]) -> str:
+    def clean(row: EngineRow) -> dict:
+        d = asdict(row) | {"tokens_per_s": row.tokens_per_s}
+        return {k: (None if isinstance(v, float) and v != v else v) for k, v in d.items()}
+
+    return json.dumps({"environment": env, "engines": [clean(r) for r in rows]}, indent=2)
