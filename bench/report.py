@@ -1,0 +1,146 @@
+"""Write a suite result as ``results.json``, ``results.md`` and PNG plots (throughput vs N, memory vs N, per engine).
+
+Every file carries the environment (versions, hardware): the JSON under ``env``, the Markdown in its header, each
+PNG in a footer line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.engines import ENGINES
+
+COLORS = {"generate": "#1f77b4", "transformers-cb": "#ff7f0e", "cb_impl": "#2ca02c"}
+
+
+def env_line(env: dict) -> str:
+    parts = [f"torch {env.get('torch')}", f"transformers {env.get('transformers')}", f"trl {env.get('trl')}",
+             f"python {env.get('python')}", env.get("gpu") or f"{env.get('cpu')} x{env.get('cpu_count')}",
+             f"{env.get('torch_threads')} torch threads", f"{env.get('ram_gb')} GB RAM", env.get("platform", "")]
+    return " | ".join(str(p) for p in parts if p)  # fmt: skip
+
+
+def _env(result: dict) -> dict:
+    return next((c["env"] for c in result["cases"] if "env" in c), {})
+
+
+def _model(result: dict) -> dict:
+    return next((c["model"] for c in result["cases"] if c.get("workload") != "arith" and "model" in c),
+                next((c["model"] for c in result["cases"] if "model" in c), {}))  # fmt: skip
+
+
+def _fmt(value, spec: str = ".2f", none: str = "n/a") -> str:
+    return none if value is None else format(value, spec)
+
+
+def markdown(result: dict) -> str:
+    env, model = _env(result), _model(result)
+    lines = ["# cbverify bench", "", f"- environment: {env_line(env)}",
+             f"- models: {json.dumps(model)}; arith uses tiny-llama-arith",
+             f"- config: `{json.dumps(result['config'])}`", "",
+             "tok/s = completion tokens / wall time; TTFT = until the batch's first completion token; KV = KV cache "
+             "reserved; peak = " + (_model_memory_kind(result)) + "; waste = 1 - necessary / forwarded tokens "
+             "(bench/measure.py); ovh = engine overhead per step (wall - forward time) / steps.", ""]  # fmt: skip
+    ratio = {(r["workload"], r["n"], r["engine"]): r for r in result["ratios"]}
+    for workload in dict.fromkeys(c["workload"] for c in result["cases"]):
+        lines += [f"## {workload}", "", "| N | engine | tok/s | wall s | TTFT s | KV MB | peak MB | waste | ovh ms/step "
+                  "| steps | x generate | x tfm-CB | checks |", "|" + "---|" * 13]  # fmt: skip
+        cases = sorted((c for c in result["cases"] if c["workload"] == workload),
+                       key=lambda c: (c["n"], ENGINES.index(c["engine"])))  # fmt: skip
+        for c in cases:
+            if "error" in c:
+                lines.append(f"| {c['n']} | {c['engine']} | ERROR: {c['error'][:200]} |" + " |" * 10)
+                continue
+            r = ratio.get((workload, c["n"], c["engine"]), {})
+            check = "; ".join(c["check_problems"]) or "ok"
+            if "tokens_equal_to_cb_impl" in c:
+                check += f"; tokens = cb_impl in {c['tokens_equal_to_cb_impl']:.0%}"
+            kv = None if c["kv_reserved_bytes"] is None else c["kv_reserved_bytes"] / 2**20
+            lines.append(
+                f"| {c['n']} | {c['engine']} | {c['tokens_per_s']:.0f} | {c['wall_s']:.2f} | {_fmt(c['ttft_s'], '.3f')} "
+                f"| {_fmt(kv, '.1f')} | {c['peak_memory_mb']:.0f} | {_fmt(c['wasted_share'], '.0%')} "
+                f"| {_fmt(c['overhead_per_step_ms'], '.1f')} | {c['steps']} | {_fmt(r.get('throughput_vs_generate'))} "
+                f"| {_fmt(r.get('throughput_vs_transformers-cb'))} | {check} |"
+            )
+        lines.append("")
+    lines += ["## Targets (issue 8, ratios from this run)", "", "| target | measured | met |", "|---|---|---|"]
+    for t in result["targets"]:
+        met = {True: "yes", False: "**no**", None: "n/a"}[t["met"]]
+        lines.append(f"| {t['target']} | {_fmt(t['value'], '.3f')} | {met} |")
+    if result.get("grpo"):
+        lines += ["", grpo_markdown(result["grpo"])]
+    return "\n".join(lines) + "\n"
+
+
+def _model_memory_kind(result: dict) -> str:
+    kinds = {c.get("memory_kind") for c in result["cases"] if c.get("memory_kind")}
+    return ", ".join(sorted(kinds)) or "n/a"
+
+
+def grpo_markdown(grpo: dict) -> str:
+    """The published table's shape: step time, speedup and peak-memory delta versus ``generate()``."""
+    lines = ["## GRPO step (TRL GRPOTrainer)", "", f"- {grpo.get('setup', '')}", "",
+             "| N | generation path | step s (median) | speedup vs generate() | peak MB | delta vs generate() MB |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    by = {(r["n"], r["path"]): r for r in grpo["rows"]}
+    for (n, path), r in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        if "error" in r:
+            lines.append(f"| {n} | {path} | ERROR: {r['error'][:200]} | | | |")
+            continue
+        base = by.get((n, "generate"))
+        ok = base is not None and "error" not in base
+        speed = _fmt(base["step_s"] / r["step_s"] if ok else None)
+        delta = _fmt(r["peak_memory_mb"] - base["peak_memory_mb"] if ok else None, "+.0f")
+        lines.append(f"| {n} | {path} | {r['step_s']:.2f} | {speed} | {r['peak_memory_mb']:.0f} | {delta} |")
+    return "\n".join(lines)
+
+
+def plots(result: dict, out_dir: Path) -> list[Path]:
+    """``throughput.png`` and ``memory.png``: one panel per workload, one line per engine, N on a log2 axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    footer = env_line(_env(result))
+    cases = [c for c in result["cases"] if "error" not in c]
+    workloads = list(dict.fromkeys(c["workload"] for c in cases))
+    panels = {
+        "throughput.png": [("tokens_per_s", "completion tokens / s", 1.0)],
+        "memory.png": [("kv_reserved_bytes", "KV cache reserved (MiB)", 2**-20),
+                       ("peak_memory_mb", _model_memory_kind(result) + " (MiB)", 1.0)],
+    }  # fmt: skip
+    paths = []
+    for name, metrics in panels.items():
+        fig, axes = plt.subplots(len(metrics), max(1, len(workloads)), figsize=(4.6 * max(1, len(workloads)),
+                                 3.6 * len(metrics)), squeeze=False)  # fmt: skip
+        for i, (metric, label, scale) in enumerate(metrics):
+            for j, workload in enumerate(workloads):
+                ax = axes[i][j]
+                for engine in ENGINES:
+                    pts = sorted((c["n"], c[metric] * scale) for c in cases
+                                 if c["workload"] == workload and c["engine"] == engine and c.get(metric) is not None)
+                    if pts:
+                        ax.plot(*zip(*pts), marker="o", label=engine, color=COLORS[engine])
+                ax.set_xscale("log", base=2)
+                ax.set_xlabel("N (generations per prompt)")
+                ax.set_ylabel(label)
+                ax.set_title(workload)
+                ax.grid(alpha=0.3)
+                ax.legend(fontsize=8)
+        fig.text(0.01, 0.005, footer, fontsize=6, color="gray")
+        fig.tight_layout(rect=(0, 0.03, 1, 1))
+        fig.savefig(out_dir / name, dpi=110)
+        plt.close(fig)
+        paths.append(out_dir / name)
+    return paths
+
+
+def write(result: dict, out_dir: Path) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    slim = result | {"env": _env(result),
+                     "cases": [{k: v for k, v in c.items() if k != "completions"} for c in result["cases"]]}
+    (out_dir / "results.json").write_text(json.dumps(slim, indent=1) + "\n")
+    (out_dir / "results.md").write_text(markdown(result))
+    return [out_dir / "results.json", out_dir / "results.md", *plots(result, out_dir)]

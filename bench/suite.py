@@ -1,0 +1,163 @@
+"""Run the engine matrix (each engine x workload in its own ``bench.worker`` process), check every output, compute
+ratios against peers of the same run, and evaluate the targets of issue 8.
+
+Checks after timing (a failed check is reported in every output file and makes ``cbverify bench`` exit 1):
+count of completions, per-request lengths (forced workloads: exactly ``L_i``; natural EOS: <= cap, ``stop`` iff the
+last token is EOS), finish reasons, and with ``temperature == 0`` token equality with ``cb_impl``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from bench.engines import ENGINES
+from bench.workloads import WORKLOADS, make_requests, make_workload
+
+NS = (8, 32, 64, 128)
+# (workload, N, engine, peer, metric, op, threshold): issue 8's CPU targets
+TARGETS = (
+    ("gsm8k-like", 64, "cb_impl", "generate", "tokens_per_s", ">=", 1.5),
+    ("gsm8k-like", 64, "cb_impl", "transformers-cb", "tokens_per_s", ">=", 4.0),
+    ("gsm8k-like", 64, "cb_impl", "generate", "kv_reserved_bytes", "<=", 0.4),
+    ("gsm8k-like", 8, "cb_impl", "generate", "tokens_per_s", ">=", 0.9),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SuiteConfig:
+    device: str = "cpu"
+    workloads: tuple[str, ...] = WORKLOADS
+    ns: tuple[int, ...] = NS
+    engines: tuple[str, ...] = ENGINES
+    model: str = "random"
+    dtype: str | None = None
+    threads: int = 2
+    kv_headroom: float = 1.25
+    max_batch_tokens: int = 512
+    temperature: float = 1.0
+    seed: int = 0
+    time_forwards: bool = True
+
+    def __post_init__(self) -> None:
+        for name, values, allowed in (("workload", self.workloads, WORKLOADS), ("engine", self.engines, ENGINES)):
+            bad = [v for v in values if v not in allowed]
+            if bad or not values:
+                raise ValueError(f"{name}s must be a non-empty subset of {', '.join(allowed)}, got {list(values)}")
+        if not self.ns or min(self.ns) < 1:
+            raise ValueError(f"ns must be non-empty positive integers, got {list(self.ns)}")
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+
+
+def worker_command(config: SuiteConfig, engine: str, workload: str, out: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "bench.worker", "--engine", engine, "--workload", workload,
+           "--n", *map(str, config.ns), "--device", config.device, "--model", config.model,
+           "--threads", str(config.threads), "--kv-headroom", str(config.kv_headroom),
+           "--max-batch-tokens", str(config.max_batch_tokens), "--temperature", str(config.temperature),
+           "--seed", str(config.seed), "--out", str(out),
+           "--time-forwards" if config.time_forwards else "--no-time-forwards"]  # fmt: skip
+    if config.dtype:
+        cmd += ["--dtype", config.dtype]
+    if config.temperature == 0:
+        cmd.append("--keep-tokens")
+    return cmd
+
+
+def run_matrix(config: SuiteConfig, out_dir: Path) -> list[dict]:
+    """Every (workload, engine) in a fresh worker process, with a progress bar; returns all case records."""
+    log_dir = out_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    records: list[dict] = []
+    jobs = [(w, e) for w in config.workloads for e in config.engines]
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path.cwd()), os.environ.get("PYTHONPATH")]))}
+    for workload, engine in (bar := tqdm(jobs, desc="bench", unit="job")):
+        bar.set_postfix_str(f"{workload} / {engine} / N={','.join(map(str, config.ns))}")
+        out = log_dir / f"{workload}-{engine}.jsonl"
+        out.unlink(missing_ok=True)
+        with open(log_dir / f"{workload}-{engine}.log", "w") as log:
+            proc = subprocess.run(worker_command(config, engine, workload, out), stdout=log, stderr=subprocess.STDOUT,
+                                  env=env, check=False)  # fmt: skip
+        got = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+        if not got:
+            got = [{"engine": engine, "workload": workload, "n": n,
+                    "error": f"worker exited {proc.returncode} without results; see {log.name}"} for n in config.ns]
+        records += got
+    return records
+
+
+def check_case(record: dict, config: SuiteConfig) -> list[str]:
+    """Problems with one case's outputs (empty when it is sound)."""
+    if "error" in record:
+        return [f"engine error: {record['error']}"]
+    workload = make_workload(record["workload"], record["n"], device=config.device, temperature=config.temperature,
+                             seed=config.seed)  # fmt: skip
+    requests = make_requests(workload, vocab_size=record["model"]["vocab_size"])
+    lengths, reasons = record["completion_lengths"], record["finish_reasons"]
+    if len(lengths) != len(requests) or len(reasons) != len(requests):
+        return [f"{len(lengths)} completions for {len(requests)} requests"]
+    problems = []
+    for r, n, reason in zip(requests, lengths, reasons, strict=True):
+        if workload.natural_eos:
+            if n > r.sampling.max_new_tokens or reason not in ("stop", "length"):
+                problems.append(f"{r.request_id}: length {n} / reason {reason!r} breaks the contract")
+            elif reason == "length" and n != r.sampling.max_new_tokens:
+                problems.append(f"{r.request_id}: finish 'length' at {n} < cap {r.sampling.max_new_tokens}")
+        elif n != r.sampling.max_new_tokens or reason != "length":
+            problems.append(f"{r.request_id}: length {n} / {reason!r}, expected {r.sampling.max_new_tokens} / 'length'")
+    return problems[:5] + ([f"... {len(problems) - 5} more"] if len(problems) > 5 else [])
+
+
+def token_agreement(records: list[dict]) -> None:
+    """With greedy decoding, the share of requests whose tokens equal cb_impl's (stored on each record)."""
+    ours = {(r["workload"], r["n"]): r for r in records if r["engine"] == "cb_impl" and r.get("completions")}
+    for record in records:
+        peer = ours.get((record["workload"], record["n"]))
+        if peer is not None and record.get("completions") and record is not peer:
+            same = [a == b for a, b in zip(record["completions"], peer["completions"], strict=True)]
+            record["tokens_equal_to_cb_impl"] = sum(same) / len(same)
+
+
+def ratios(records: list[dict]) -> list[dict]:
+    """Per (workload, N, engine): throughput and memory as multiples of each peer's in the same run."""
+    by_key = {(r["workload"], r["n"], r["engine"]): r for r in records if "error" not in r}
+    rows = []
+    for (workload, n, engine), r in by_key.items():
+        row = {"workload": workload, "n": n, "engine": engine}
+        for peer in ENGINES:
+            p = by_key.get((workload, n, peer))
+            if p is None or peer == engine:
+                continue
+            row[f"throughput_vs_{peer}"] = r["tokens_per_s"] / p["tokens_per_s"]
+            if r["kv_reserved_bytes"] and p["kv_reserved_bytes"]:
+                row[f"kv_vs_{peer}"] = r["kv_reserved_bytes"] / p["kv_reserved_bytes"]
+            row[f"peak_memory_delta_mb_vs_{peer}"] = r["peak_memory_mb"] - p["peak_memory_mb"]
+        rows.append(row)
+    return sorted(rows, key=lambda x: (x["workload"], x["n"], ENGINES.index(x["engine"])))
+
+
+def evaluate_targets(records: list[dict]) -> list[dict]:
+    by_key = {(r["workload"], r["n"], r["engine"]): r for r in records if "error" not in r}
+    out = []
+    for workload, n, engine, peer, metric, op, threshold in TARGETS:
+        a, b = by_key.get((workload, n, engine)), by_key.get((workload, n, peer))
+        value = a[metric] / b[metric] if a and b and a.get(metric) and b.get(metric) else None
+        met = None if value is None else (value >= threshold if op == ">=" else value <= threshold)
+        out.append({"target": f"{workload} N={n}: {engine} {metric} / {peer} {op} {threshold}", "value": value,
+                    "met": met})  # fmt: skip
+    return out
+
+
+def run_suite(config: SuiteConfig, out_dir: Path) -> dict:
+    records = run_matrix(config, out_dir)
+    for record in records:
+        record["check_problems"] = check_case(record, config)
+    token_agreement(records)
+    return {"config": asdict(config), "cases": records, "ratios": ratios(records), "targets": evaluate_targets(records)}

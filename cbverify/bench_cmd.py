@@ -1,0 +1,79 @@
+"""``cbverify bench``: the three rollout engines side by side (throughput, latency, memory, waste) plus TRL GRPO step
+timings, written to ``--out`` as JSON, a Markdown table and PNG plots. Exit code 1 when any engine errored, any
+output check failed, or (with ``--strict-targets``) a target of issue 8 was missed.
+
+Everything is CUDA-ready: ``--device cuda`` uses bf16, the best attention available, a Llama-3.2-1B-shaped random
+model unless ``--model`` names a checkpoint, warm-up before timing and synchronised clocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from bench.engines import ENGINES
+from bench.workloads import WORKLOADS
+
+GRPO_NS = (8, 32, 64)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:i] (bf16 and flash/sdpa attention on CUDA)")
+    parser.add_argument("--workload", nargs="+", choices=WORKLOADS, default=list(WORKLOADS),
+                        help="workloads to run (bench/workloads.py documents their length distributions)")
+    parser.add_argument("--n", nargs="+", type=int, default=[8, 32, 64, 128], help="generations per prompt")
+    parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES), help="engines to compare")
+    parser.add_argument("--model", default="random",
+                        help="'random' (device-shaped random Llama) or a bundled name / local checkpoint directory "
+                        "for gsm8k-like and uniform; arith always uses tiny-llama-arith unless a path is given")
+    parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default fp32 CPU, bf16 CUDA)")
+    parser.add_argument("--out", default="bench-results", help="output directory (created)")
+    parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1), help="torch CPU threads")
+    parser.add_argument("--kv-headroom", type=float, default=1.25,
+                        help="cb_impl KV budget = distinct prompts + headroom x a-priori mean completion x requests")
+    parser.add_argument("--max-batch-tokens", type=int, default=512, help="per-step token budget of both CB engines")
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="sampling temperature (TRL's default 1.0); 0 = greedy and checks tokens vs cb_impl")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed (prompts, lengths, request seeds)")
+    parser.add_argument("--time-forwards", action=argparse.BooleanOptionalAction, default=True,
+                        help="time model forwards to get engine overhead per step (syncs CUDA around forwards)")
+    parser.add_argument("--grpo", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time TRL GRPOTrainer steps with each generation path")
+    parser.add_argument("--grpo-n", nargs="+", type=int, default=list(GRPO_NS), help="N for the GRPO-step benchmark")
+    parser.add_argument("--grpo-steps", type=int, default=3, help="trainer steps per GRPO case (first is warm-up)")
+    parser.add_argument("--strict-targets", action="store_true", help="exit 1 when an issue-8 target is missed")
+
+
+def run(args: argparse.Namespace) -> int:
+    from bench import report
+    from bench.suite import SuiteConfig, run_suite
+
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit(f"--device {args.device}: CUDA is not available on this machine")
+    out = Path(args.out)
+    config = SuiteConfig(device=args.device, workloads=tuple(args.workload), ns=tuple(args.n),
+                         engines=tuple(args.engines), model=args.model, dtype=args.dtype, threads=args.threads,
+                         kv_headroom=args.kv_headroom, max_batch_tokens=args.max_batch_tokens,
+                         temperature=args.temperature, seed=args.seed, time_forwards=args.time_forwards)  # fmt: skip
+    result = run_suite(config, out)
+    if args.grpo:
+        from bench.grpo_step import GrpoConfig, run_grpo
+
+        result["grpo"] = run_grpo(GrpoConfig(device=args.device, ns=tuple(args.grpo_n), steps=args.grpo_steps,
+                                             threads=args.threads), out)  # fmt: skip
+    paths = report.write(result, out)
+    print(report.markdown(result))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    failed = [c for c in result["cases"] if c.get("check_problems")]
+    failed += [r for r in (result.get("grpo") or {}).get("rows", []) if "error" in r]
+    missed = [t for t in result["targets"] if t["met"] is False]
+    if failed:
+        print(f"FAIL: {len(failed)} case(s) errored or failed their output checks (see results.md)")
+    if missed:
+        print(f"{'FAIL' if args.strict_targets else 'NOTE'}: {len(missed)} target(s) missed: "
+              + "; ".join(t["target"] for t in missed))  # fmt: skip
+    return 1 if failed or (missed and args.strict_targets) else 0
