@@ -100,13 +100,15 @@ def run_generate(model, requests: list[RolloutRequest], opts: EngineOptions) -> 
         mask[i, width - len(r.prompt_ids) :] = 1
     ids, mask = ids.to(opts.device), mask.to(opts.device)
     # return_dict_in_generate only adds the cache to the output (to measure it); the generation is TRL's
-    config = _generation_config(requests, max(r.sampling.max_new_tokens for r in requests), opts.pad_token_id,
-                                return_dict_in_generate=True)
+    config = _generation_config(
+        requests, max(r.sampling.max_new_tokens for r in requests), opts.pad_token_id, return_dict_in_generate=True
+    )
     first = FirstCall()
     with count_forwards(model, opts.device, time_forwards=opts.time_forwards) as fw, torch.no_grad():
         start = clock(opts.device)
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
-                             logits_processor=LogitsProcessorList([first]))
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, generation_config=config, logits_processor=LogitsProcessorList([first])
+        )
         end = clock(opts.device)
     cache = out.cache
     kv = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
@@ -124,11 +126,15 @@ def run_transformers_cb(model, requests: list[RolloutRequest], opts: EngineOptio
     cb_kwargs = {"max_memory_percent": 0.5}  # TRL 1.16's default (GRPOTrainer.__init__)
     if not opts.device.startswith("cuda"):  # CPU: explicit small sizes, else it reserves GBs (UPSTREAM.md)
         page = ContinuousBatchingConfig.page_size
-        cb_kwargs |= {"num_blocks": len(requests) * math.ceil(max_len / page), "max_batch_tokens": opts.max_batch_tokens}
+        cb_kwargs |= {
+            "num_blocks": len(requests) * math.ceil(max_len / page),
+            "max_batch_tokens": opts.max_batch_tokens,
+        }
     config = _generation_config(requests, max(r.sampling.max_new_tokens for r in requests), opts.pad_token_id)
     t_setup = time.perf_counter()
-    manager = model.init_continuous_batching(generation_config=config,
-                                             continuous_batching_config=ContinuousBatchingConfig(**cb_kwargs))
+    manager = model.init_continuous_batching(
+        generation_config=config, continuous_batching_config=ContinuousBatchingConfig(**cb_kwargs)
+    )
     manager.warmup()
     manager.start()
     setup_s = time.perf_counter() - t_setup
@@ -143,8 +149,10 @@ def run_transformers_cb(model, requests: list[RolloutRequest], opts: EngineOptio
             while len(results) < len(requests):
                 result = manager.get_result(timeout=60)
                 if result is None:
-                    raise RuntimeError(f"transformers CB produced nothing for 60 s ({len(results)}/{len(requests)} "
-                                       "done); its generation thread is running: " + str(manager.is_running()))
+                    raise RuntimeError(
+                        f"transformers CB produced nothing for 60 s ({len(results)}/{len(requests)} "
+                        "done); its generation thread is running: " + str(manager.is_running())
+                    )
                 if result.error is not None:
                     raise RuntimeError(f"transformers CB failed request {result.request_id}: {result.error}")
                 if result.is_finished():
@@ -190,13 +198,13 @@ def run_cb_impl(model, requests: list[RolloutRequest], opts: EngineOptions, engi
             end = clock(opts.device)
     finally:
         del engine.step
-    stats = dict(engine.stats)
+    stats = {k: v for k, v in engine.stats.items() if isinstance(v, int | float | str)}
     if stats.get("num_blocks"):
         stats["kv_peak_used_bytes"] = stats["kv_cache_bytes"] * stats["peak_used_blocks"] // stats["num_blocks"]
     return EngineRun("cb_impl", [list(x.completion_ids) for x in rollouts], [x.finish_reason for x in rollouts],
                      end - start, first_step_end[0] - start if first_step_end else None, stats.get("kv_cache_bytes"),
                      fw.steps, fw.forward_tokens, fw.forward_s, setup_s,
-                     extra={"stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str))}})  # fmt: skip
+                     extra={"stats": stats})  # fmt: skip
 
 
 RUNNERS = {"generate": run_generate, "transformers-cb": run_transformers_cb, "cb_impl": run_cb_impl}

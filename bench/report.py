@@ -15,9 +15,16 @@ COLORS = {"generate": "#1f77b4", "transformers-cb": "#ff7f0e", "cb_impl": "#2ca0
 
 
 def env_line(env: dict) -> str:
-    parts = [f"torch {env.get('torch')}", f"transformers {env.get('transformers')}", f"trl {env.get('trl')}",
-             f"python {env.get('python')}", env.get("gpu") or f"{env.get('cpu')} x{env.get('cpu_count')}",
-             f"{env.get('torch_threads')} torch threads", f"{env.get('ram_gb')} GB RAM", env.get("platform", "")]
+    parts = [
+        f"torch {env.get('torch')}",
+        f"transformers {env.get('transformers')}",
+        f"trl {env.get('trl')}",
+        f"python {env.get('python')}",
+        env.get("gpu") or f"{env.get('cpu')} x{env.get('cpu_count')}",
+        f"{env.get('torch_threads')} torch threads",
+        f"{env.get('ram_gb')} GB RAM",
+        env.get("platform", ""),
+    ]
     return " | ".join(str(p) for p in parts if p)  # fmt: skip
 
 
@@ -44,8 +51,8 @@ def markdown(result: dict) -> str:
              "(bench/measure.py); ovh = engine overhead per step (wall - forward time) / steps.", ""]  # fmt: skip
     ratio = {(r["workload"], r["n"], r["engine"]): r for r in result["ratios"]}
     for workload in dict.fromkeys(c["workload"] for c in result["cases"]):
-        lines += [f"## {workload}", "", "| N | engine | tok/s | wall s | TTFT s | KV MB | peak MB | waste | ovh ms/step "
-                  "| steps | x generate | x tfm-CB | checks |", "|" + "---|" * 13]  # fmt: skip
+        lines += [f"## {workload}", "", "| N | engine | tok/s | wall s | TTFT s | KV MB | peak MB | waste "
+                  "| ovh ms/step | steps | x generate | x tfm-CB | checks |", "|" + "---|" * 13]  # fmt: skip
         cases = sorted((c for c in result["cases"] if c["workload"] == workload),
                        key=lambda c: (c["n"], ENGINES.index(c["engine"])))  # fmt: skip
         for c in cases:
@@ -58,7 +65,8 @@ def markdown(result: dict) -> str:
                 check += f"; tokens = cb_impl in {c['tokens_equal_to_cb_impl']:.0%}"
             kv = None if c["kv_reserved_bytes"] is None else c["kv_reserved_bytes"] / 2**20
             lines.append(
-                f"| {c['n']} | {c['engine']} | {c['tokens_per_s']:.0f} | {c['wall_s']:.2f} | {_fmt(c['ttft_s'], '.3f')} "
+                f"| {c['n']} | {c['engine']} | {c['tokens_per_s']:.0f} | {c['wall_s']:.2f} "
+                f"| {_fmt(c['ttft_s'], '.3f')} "
                 f"| {_fmt(kv, '.1f')} | {c['peak_memory_mb']:.0f} | {_fmt(c['wasted_share'], '.0%')} "
                 f"| {_fmt(c['overhead_per_step_ms'], '.1f')} | {c['steps']} | {_fmt(r.get('throughput_vs_generate'))} "
                 f"| {_fmt(r.get('throughput_vs_transformers-cb'))} | {check} |"
@@ -119,10 +127,13 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
             for j, workload in enumerate(workloads):
                 ax = axes[i][j]
                 for engine in ENGINES:
-                    pts = sorted((c["n"], c[metric] * scale) for c in cases
-                                 if c["workload"] == workload and c["engine"] == engine and c.get(metric) is not None)
+                    pts = sorted(
+                        (c["n"], c[metric] * scale)
+                        for c in cases
+                        if c["workload"] == workload and c["engine"] == engine and c.get(metric) is not None
+                    )
                     if pts:
-                        ax.plot(*zip(*pts), marker="o", label=engine, color=COLORS[engine])
+                        ax.plot(*zip(*pts, strict=False), marker="o", label=engine, color=COLORS[engine])
                 ax.set_xscale("log", base=2)
                 ax.set_xlabel("N (generations per prompt)")
                 ax.set_ylabel(label)
@@ -139,8 +150,10 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
 
 def write(result: dict, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    slim = result | {"env": _env(result),
-                     "cases": [{k: v for k, v in c.items() if k != "completions"} for c in result["cases"]]}
+    slim = result | {
+        "env": _env(result),
+        "cases": [{k: v for k, v in c.items() if k != "completions"} for c in result["cases"]],
+    }
     (out_dir / "results.json").write_text(json.dumps(slim, indent=1) + "\n")
     (out_dir / "results.md").write_text(markdown(result))
     return [out_dir / "results.json", out_dir / "results.md", *plots(result, out_dir)]

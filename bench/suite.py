@@ -76,8 +76,11 @@ def run_matrix(config: SuiteConfig, out_dir: Path) -> list[dict]:
     log_dir.mkdir(parents=True, exist_ok=True)
     records: list[dict] = []
     jobs = [(w, e) for w in config.workloads for e in config.engines]
-    env = os.environ | {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path.cwd()), os.environ.get("PYTHONPATH")]))}
+    env = os.environ | {
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path.cwd()), os.environ.get("PYTHONPATH")])),
+    }
     for workload, engine in (bar := tqdm(jobs, desc="bench", unit="job")):
         bar.set_postfix_str(f"{workload} / {engine} / N={','.join(map(str, config.ns))}")
         out = log_dir / f"{workload}-{engine}.jsonl"
@@ -87,8 +90,15 @@ def run_matrix(config: SuiteConfig, out_dir: Path) -> list[dict]:
                                   env=env, check=False)  # fmt: skip
         got = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
         if not got:
-            got = [{"engine": engine, "workload": workload, "n": n,
-                    "error": f"worker exited {proc.returncode} without results; see {log.name}"} for n in config.ns]
+            got = [
+                {
+                    "engine": engine,
+                    "workload": workload,
+                    "n": n,
+                    "error": f"worker exited {proc.returncode} without results; see {log.name}",
+                }
+                for n in config.ns
+            ]
         records += got
     return records
 
@@ -111,7 +121,9 @@ def check_case(record: dict, config: SuiteConfig) -> list[str]:
             elif reason == "length" and n != r.sampling.max_new_tokens:
                 problems.append(f"{r.request_id}: finish 'length' at {n} < cap {r.sampling.max_new_tokens}")
         elif n != r.sampling.max_new_tokens or reason != "length":
-            problems.append(f"{r.request_id}: length {n} / {reason!r}, expected {r.sampling.max_new_tokens} / 'length'")
+            problems.append(
+                f"{r.request_id}: length {n} / {reason!r}, expected {r.sampling.max_new_tokens} / 'length'"
+            )
     return problems[:5] + ([f"... {len(problems) - 5} more"] if len(problems) > 5 else [])
 
 
@@ -160,4 +172,9 @@ def run_suite(config: SuiteConfig, out_dir: Path) -> dict:
     for record in records:
         record["check_problems"] = check_case(record, config)
     token_agreement(records)
-    return {"config": asdict(config), "cases": records, "ratios": ratios(records), "targets": evaluate_targets(records)}
+    return {
+        "config": asdict(config),
+        "cases": records,
+        "ratios": ratios(records),
+        "targets": evaluate_targets(records),
+    }

@@ -49,7 +49,8 @@ def run_case(model, vocab_size: int, workload: Workload, engine: str, args: argp
     necessary = measure.necessary_tokens(requests, lengths)
     non_forward = run.wall_s - run.forward_s
     return {
-        "engine": engine, "workload": workload.name, "n": workload.num_generations, "num_prompts": workload.num_prompts,
+        "engine": engine, "workload": workload.name, "n": workload.num_generations,
+        "num_prompts": workload.num_prompts,
         "num_requests": len(requests), "temperature": workload.temperature, "wall_s": run.wall_s, "ttft_s": run.ttft_s,
         "completion_tokens": tokens, "tokens_per_s": tokens / run.wall_s, "kv_reserved_bytes": run.kv_reserved_bytes,
         "cb_impl_kv_budget_tokens": budget, "steps": run.steps, "forward_tokens": run.forward_tokens,
@@ -73,8 +74,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-tokens", type=int, default=512, help="token budget per step of both CB engines")
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy everywhere")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
-    parser.add_argument("--time-forwards", action=argparse.BooleanOptionalAction, default=True,
-                        help="time each model forward (engine overhead per step); syncs CUDA around forwards")
+    parser.add_argument(
+        "--time-forwards",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time each model forward (engine overhead per step); syncs CUDA around forwards",
+    )
     parser.add_argument("--keep-tokens", action="store_true", help="store completion token ids (greedy checks)")
     parser.add_argument("--out", required=True, help="JSON-lines file receiving one record per case")
 
@@ -90,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     with open(args.out, "a") as out:
         for n in sorted(args.n):
-            workload = make_workload(args.workload, n, device=args.device, temperature=args.temperature, seed=args.seed)
+            workload = make_workload(
+                args.workload, n, device=args.device, temperature=args.temperature, seed=args.seed
+            )
             try:
                 record = run_case(model, info["vocab_size"], workload, args.engine, args)
             except Exception as err:  # recorded, reported, and turned into a failing exit code

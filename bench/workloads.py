@@ -73,7 +73,9 @@ class Workload:
             raise ValueError(f"need num_prompts >= 1 and num_generations >= 1, got {self.num_prompts}, "
                              f"{self.num_generations}")  # fmt: skip
         if self.completion_len is not None and self.completion_len.hi > self.max_new_tokens:
-            raise ValueError(f"completion lengths reach {self.completion_len.hi} > max_new_tokens {self.max_new_tokens}")
+            raise ValueError(
+                f"completion lengths reach {self.completion_len.hi} > max_new_tokens {self.max_new_tokens}"
+            )
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
 
@@ -127,7 +129,9 @@ def make_requests(workload: Workload, *, vocab_size: int) -> list[RolloutRequest
         if vocab_size <= SPECIAL_IDS:
             raise ValueError(f"vocab_size must exceed {SPECIAL_IDS}, got {vocab_size}")
         prompt_lens = workload.prompt_len.sample(rng, workload.num_prompts)
-        prompts = [[tasks.BOS_ID] + [rng.randrange(SPECIAL_IDS, vocab_size) for _ in range(n - 1)] for n in prompt_lens]
+        prompts = [
+            [tasks.BOS_ID] + [rng.randrange(SPECIAL_IDS, vocab_size) for _ in range(n - 1)] for n in prompt_lens
+        ]
         lengths = workload.completion_len.sample(rng, workload.num_requests)
         eos = ()
     requests = []

@@ -20,26 +20,50 @@ GRPO_NS = (8, 32, 64)
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i] (bf16 and flash/sdpa attention on CUDA)")
-    parser.add_argument("--workload", nargs="+", choices=WORKLOADS, default=list(WORKLOADS),
-                        help="workloads to run (bench/workloads.py documents their length distributions)")
+    parser.add_argument(
+        "--workload",
+        nargs="+",
+        choices=WORKLOADS,
+        default=list(WORKLOADS),
+        help="workloads to run (bench/workloads.py documents their length distributions)",
+    )
     parser.add_argument("--n", nargs="+", type=int, default=[8, 32, 64, 128], help="generations per prompt")
     parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES), help="engines to compare")
-    parser.add_argument("--model", default="random",
-                        help="'random' (device-shaped random Llama) or a bundled name / local checkpoint directory "
-                        "for gsm8k-like and uniform; arith always uses tiny-llama-arith unless a path is given")
+    parser.add_argument(
+        "--model",
+        default="random",
+        help="'random' (device-shaped random Llama) or a bundled name / local checkpoint directory "
+        "for gsm8k-like and uniform; arith always uses tiny-llama-arith unless a path is given",
+    )
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default fp32 CPU, bf16 CUDA)")
     parser.add_argument("--out", default="bench-results", help="output directory (created)")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1), help="torch CPU threads")
-    parser.add_argument("--kv-headroom", type=float, default=1.25,
-                        help="cb_impl KV budget = distinct prompts + headroom x a-priori mean completion x requests")
+    parser.add_argument(
+        "--kv-headroom",
+        type=float,
+        default=1.25,
+        help="cb_impl KV budget = distinct prompts + headroom x a-priori mean completion x requests",
+    )
     parser.add_argument("--max-batch-tokens", type=int, default=512, help="per-step token budget of both CB engines")
-    parser.add_argument("--temperature", type=float, default=1.0,
-                        help="sampling temperature (TRL's default 1.0); 0 = greedy and checks tokens vs cb_impl")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="sampling temperature (TRL's default 1.0); 0 = greedy and checks tokens vs cb_impl",
+    )
     parser.add_argument("--seed", type=int, default=0, help="workload seed (prompts, lengths, request seeds)")
-    parser.add_argument("--time-forwards", action=argparse.BooleanOptionalAction, default=True,
-                        help="time model forwards to get engine overhead per step (syncs CUDA around forwards)")
-    parser.add_argument("--grpo", action=argparse.BooleanOptionalAction, default=True,
-                        help="also time TRL GRPOTrainer steps with each generation path")
+    parser.add_argument(
+        "--time-forwards",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time model forwards to get engine overhead per step (syncs CUDA around forwards)",
+    )
+    parser.add_argument(
+        "--grpo",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time TRL GRPOTrainer steps with each generation path",
+    )
     parser.add_argument("--grpo-n", nargs="+", type=int, default=list(GRPO_NS), help="N for the GRPO-step benchmark")
     parser.add_argument("--grpo-steps", type=int, default=3, help="trainer steps per GRPO case (first is warm-up)")
     parser.add_argument("--strict-targets", action="store_true", help="exit 1 when an issue-8 target is missed")
