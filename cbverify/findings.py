@@ -1,0 +1,148 @@
+"""THE registry of upstream findings, and the result type every upstream check returns.
+
+A :class:`Finding` is an upstream behaviour (TRL / transformers / accelerate) that one of our invariant checks
+reports as FAIL on the pinned stack: which checks, on which generation path, under which scenario condition, on
+which versions, with one line of measured evidence. Tests assert that every registered finding *still reproduces*
+(:func:`expected_status` says FAIL is expected) so a fix upstream turns the test red and the entry gets removed;
+any FAIL not covered here is a real failure. ``cbverify upstream`` prints this table.
+
+Evidence lines were measured on torch 2.13.0 / transformers 5.24.0 / trl 1.16.0 / accelerate 1.15.0, CPU, with the
+scenarios named in ``when``; ``affected`` lists what was verified (the matrix run extends it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+PASS, FAIL, NA = "PASS", "FAIL", "NOT-APPLICABLE"
+STATUSES = (PASS, FAIL, NA)
+
+
+@dataclass(frozen=True, slots=True)
+class CheckResult:
+    """One check on one path (and one scenario): PASS / FAIL / NOT-APPLICABLE with a one-line reason."""
+
+    check: str
+    path: str
+    status: str
+    reason: str
+    scenario: str = ""
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}")
+        if "\n" in self.reason:
+            object.__setattr__(self, "reason", " ".join(self.reason.split()))
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    id: str
+    checks: tuple[str, ...]
+    path: str  # a generation path, or "*" for every path
+    when: str  # the scenario condition, in words (``applies`` is the same condition as code)
+    applies: Callable[[object], bool]
+    affected: str
+    evidence: str
+
+    def covers(self, result: CheckResult, scenario) -> bool:
+        return result.check in self.checks and self.path in ("*", result.path) and self.applies(scenario)
+
+
+PINNED = "transformers 5.24.0 + trl 1.16.0 (+ accelerate 1.15.0)"
+
+FINDINGS: tuple[Finding, ...] = (
+    Finding(
+        id="cb-bf16-generation-crashes",
+        checks=("mixed_precision_completes", "run_completes", "no_silent_request_failure", "completions_aligned"),
+        path="cb",
+        when="bf16=True",
+        applies=lambda s: s.bf16,
+        affected=PINNED,
+        evidence="every CB request FAILED: accelerate's mixed-precision forward wrapper calls .float() on the "
+        "PagedAttentionCache in the model output (\"'PagedAttentionCache' object has no attribute 'float'\"); "
+        "generate_batch only logs it and TRL then dies with IndexError in _generate (ids[-1] of an empty completion)",
+    ),
+    Finding(
+        id="cb-bf16-casts-training-weights",
+        checks=("generation_keeps_params", "generation_keeps_forward"),
+        path="cb",
+        when="bf16=True",
+        applies=lambda s: s.bf16,
+        affected=PINNED,
+        evidence="GRPOTrainer._generate_single_turn runs unwrapped_model.to(torch.bfloat16) before generate_batch "
+        "and never casts back: all trained parameters float32 -> bfloat16 (the optimizer then updates bf16 "
+        "weights); the probe forward after generation differs (max |diff| ~6e-3 on a random tiny Llama)",
+    ),
+    Finding(
+        id="cb-forces-train-mode",
+        checks=("generation_keeps_mode", "run_completes"),
+        path="cb",
+        when="trainer.evaluate()",
+        applies=lambda s: s.evaluate,
+        affected=PINNED,
+        evidence="GRPOTrainer._generate_single_turn calls unwrapped_model.train() after generate_batch whatever the "
+        "mode was: generation during evaluate() leaves the model in train mode, and _compute_loss then takes the "
+        "train branch and raises AttributeError: no attribute 'current_gradient_accumulation_steps'",
+    ),
+    Finding(
+        id="cb-reseeds-global-rng",
+        checks=("generation_keeps_rng",),
+        path="cb",
+        when="greedy (RNG is compared only where no sampling may consume it)",
+        applies=lambda s: s.greedy,
+        affected=PINNED,
+        evidence="ContinuousBatchingManager.__init__ -> DistributedHelper.set_tp_seed calls torch.manual_seed(...) "
+        "on every generate_batch (with the config's seed, or one drawn from the global RNG): greedy generation, "
+        "which samples nothing, still replaces the global torch RNG state",
+    ),
+    Finding(
+        id="cb-discards-sampler-logprobs",
+        checks=("sampler_logprobs_reach_trainer",),
+        path="cb",
+        when="transformers_continuous_batching_config return_logprobs=True",
+        applies=lambda s: s.cb_return_logprobs,
+        affected=PINNED,
+        evidence="transformers returns one log-prob per generated token (GenerationOutput.logprobs) but "
+        "GRPOTrainer._generate_single_turn sets logprobs = None on the CB path: no sampling_per_token_logps ever "
+        "reaches the trainer",
+    ),
+    Finding(
+        id="is-correction-silently-off-without-vllm",
+        checks=("is_correction_applied",),
+        path="*",
+        when="vllm_importance_sampling_correction=True",
+        applies=lambda s: s.is_correction,
+        affected=PINNED,
+        evidence="the only IS-correction switch is gated on use_vllm in _generate_and_score_completions and "
+        "_compute_loss: with generate(), CB or a rollout_func that returns log-probs, no importance_sampling_ratio "
+        "is computed or applied and nothing warns",
+    ),
+    Finding(
+        id="cb-drops-repetition-penalty",
+        checks=("sampled_tokens_within_processed_support",),
+        path="cb",
+        when="repetition_penalty != 1.0",
+        applies=lambda s: s.repetition_penalty != 1.0,
+        affected=PINNED,
+        evidence="ContinuousBatchingLogitsProcessorList drops RepetitionPenaltyLogitsProcessor "
+        "(supports_continuous_batching=False, drop_unsupported_processors=True) with only a logger warning: "
+        "greedy CB tokens are the argmax of the unpenalised logits",
+    ),
+)
+
+
+def expected_status(result: CheckResult, scenario) -> str | None:
+    """The id of the finding that makes ``result`` an expected FAIL, or ``None`` (then FAIL is a real failure)."""
+    for finding in FINDINGS:
+        if finding.covers(result, scenario):
+            return finding.id
+    return None
+
+
+def by_id(finding_id: str) -> Finding:
+    for finding in FINDINGS:
+        if finding.id == finding_id:
+            return finding
+    raise KeyError(f"no finding {finding_id!r}; known: {', '.join(f.id for f in FINDINGS)}")

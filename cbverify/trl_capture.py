@@ -1,0 +1,212 @@
+"""Observe what a TRL trainer sees by wrapping its methods on the instance; TRL itself is never edited.
+
+Wrapped (each wrapper calls the original and records; a trainer method missing in the installed TRL raises
+``AttributeError`` naming it, never a silent skip):
+
+- ``_generate``: the prompts, prompt ids, completion ids and sampler log-probs TRL received, plus a
+  :class:`ModelSnapshot` and a probe forward before and after generation (also when generation raises);
+- ``model.generate_batch`` (the ``cb`` path): the raw transformers ``GenerationOutput`` objects, errors included;
+- ``_calculate_rewards`` and ``_generate_and_score_completions``: rewards and the scored batch (advantages,
+  ``sampling_per_token_logps``, ``importance_sampling_ratio``, masks) before TRL shuffles it;
+- ``_compute_loss``: the tensors entering the loss, the trainer's per-token log-probs, the loss, and reference
+  teacher-forced log-probs computed on the same parameters just before.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+PROBE_IDS = (1, 19, 17, 4, 5, 13, 10, 22, 4, 5, 13, 10, 15, 12)  # "<bos>Q:12+7\n12+7=19"-like fixed token ids
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSnapshot:
+    """Everything generation must leave untouched (issue 6: "generation leaves no trace")."""
+
+    attn_implementation: str
+    config_json: str
+    params: tuple[tuple[str, str, str, int, bool], ...]  # (name, dtype, device, id, requires_grad)
+    training: tuple[bool, ...]  # module.training for every module, in named_modules() order
+    rng_state: torch.Tensor  # (N,) uint8, torch.get_rng_state()
+    probe_logits: torch.Tensor  # (T, V) float32: a forward on PROBE_IDS in the model's current mode
+
+
+def unwrap(trainer):
+    return trainer.accelerator.unwrap_model(trainer.model)
+
+
+@torch.no_grad()
+def snapshot(model) -> ModelSnapshot:
+    rng = torch.get_rng_state()
+    with torch.random.fork_rng(devices=[]):  # the probe forward must not consume the RNG it is measuring
+        device = next(model.parameters()).device
+        ids = torch.tensor([PROBE_IDS], device=device)  # (1, T)
+        probe = model(input_ids=ids).logits[0].float().cpu()  # (T, V)
+    config = model.config.to_dict()
+    return ModelSnapshot(
+        attn_implementation=str(model.config._attn_implementation),
+        config_json=json.dumps(config, sort_keys=True, default=str),
+        params=tuple((n, str(p.dtype), str(p.device), id(p), p.requires_grad) for n, p in model.named_parameters()),
+        training=tuple(m.training for _, m in model.named_modules()),
+        rng_state=rng,
+        probe_logits=probe,
+    )
+
+
+@dataclass
+class GenerationRecord:
+    mode: str  # "train" | "eval"
+    prompts: list
+    before: ModelSnapshot
+    after: ModelSnapshot | None = None
+    prompt_ids: list[list[int]] | None = None
+    completion_ids: list[list[int]] | None = None
+    sampler_logprobs: list[list[float]] | None = None
+    raw_outputs: list | None = None  # transformers GenerationOutput objects (cb path), TRL's order
+    error: BaseException | None = None
+
+
+@dataclass
+class LossRecord:
+    mode: str
+    inputs: dict[str, torch.Tensor]
+    per_token_logps: torch.Tensor  # (B, T) the trainer's, as computed inside _compute_loss
+    reference_logps: list[torch.Tensor]  # B tensors (L_i,) from reference.logprobs.per_token_logps
+    loss: float
+    accumulation_steps: int
+
+
+@dataclass
+class Capture:
+    """All records of one run, in call order."""
+
+    generations: list[GenerationRecord] = field(default_factory=list)
+    rewards: list[torch.Tensor] = field(default_factory=list)  # (B, num_reward_funcs) per scored batch
+    scored: list[dict] = field(default_factory=list)
+    losses: list[LossRecord] = field(default_factory=list)
+    run_error: BaseException | None = None
+    rollout_backend: str | None = None
+    trainer_info: dict = field(default_factory=dict)  # settings the checks need (EOS ids, epsilons, ...)
+
+
+def _detach(value):
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def _rows(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    return [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
+
+
+def _wrap_generate(trainer, capture: Capture) -> None:
+    original = trainer._generate
+
+    def wrapped(prompts):
+        model = unwrap(trainer)
+        record = GenerationRecord(mode="train" if trainer.model.training else "eval", prompts=list(prompts),
+                                  before=snapshot(model))  # fmt: skip
+        capture.generations.append(record)
+        _wrap_generate_batch(model, record)
+        try:
+            out = original(prompts)
+        except BaseException as err:
+            record.error = err
+            raise
+        finally:
+            model.__dict__.pop("generate_batch", None)  # drop our instance shadow before measuring the model
+            record.after = snapshot(unwrap(trainer))
+        record.prompt_ids = [list(map(int, p)) for p in out[0]]
+        record.completion_ids = [list(map(int, c)) for c in out[1]]
+        logprobs = out[4] if len(out) >= 5 else None  # GRPO returns 8 fields, RLOO 3 (no sampler log-probs)
+        record.sampler_logprobs = None if logprobs is None else [list(map(float, lp)) for lp in logprobs]
+        return out
+
+    trainer._generate = wrapped
+
+
+def _wrap_generate_batch(model, record: GenerationRecord) -> None:
+    """Shadow ``model.generate_batch`` on the instance for this one generation (the cb path calls it)."""
+    if not hasattr(model, "generate_batch"):
+        return
+    original = type(model).generate_batch
+
+    def wrapped(*args, **kwargs):
+        outputs = original(model, *args, **kwargs)
+        record.raw_outputs = list(outputs.values())
+        return outputs
+
+    model.generate_batch = wrapped
+
+
+def _wrap_scoring(trainer, capture: Capture) -> None:
+    original_rewards, original_score = trainer._calculate_rewards, trainer._generate_and_score_completions
+
+    def rewards(*args, **kwargs):
+        out = original_rewards(*args, **kwargs)
+        capture.rewards.append(out.detach().clone())
+        return out
+
+    def score(*args, **kwargs):
+        out = original_score(*args, **kwargs)
+        capture.scored.append({k: _detach(v) for k, v in out.items()})
+        return out
+
+    trainer._calculate_rewards, trainer._generate_and_score_completions = rewards, score
+
+
+def _wrap_loss(trainer, capture: Capture) -> None:
+    from reference.logprobs import per_token_logps as reference_logps
+
+    original_loss, original_logps = trainer._compute_loss, trainer._get_per_token_logps_and_entropies
+
+    def loss(model, inputs):
+        seen: list[torch.Tensor] = []
+
+        def logps(*args, **kwargs):
+            out = original_logps(*args, **kwargs)
+            seen.append(out[0].detach().clone())
+            return out
+
+        plain = unwrap(trainer)
+        prompts = _rows(inputs["prompt_ids"], inputs["prompt_mask"])
+        completions = _rows(inputs["completion_ids"], inputs["completion_mask"])
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            ref = reference_logps(plain, prompts, completions, temperature=float(trainer.temperature))
+        trainer._get_per_token_logps_and_entropies = logps
+        try:
+            value = original_loss(model, inputs)
+        finally:
+            trainer._get_per_token_logps_and_entropies = original_logps
+        capture.losses.append(
+            LossRecord(
+                mode="train" if trainer.model.training else "eval",
+                inputs={k: _detach(v) for k, v in inputs.items()},
+                per_token_logps=seen[0], reference_logps=[r.cpu() for r in ref], loss=float(value.detach()),
+                accumulation_steps=int(getattr(trainer, "current_gradient_accumulation_steps", 1) or 1),
+            )
+        )  # fmt: skip
+        return value
+
+    trainer._compute_loss = loss
+
+
+def install(trainer, capture: Capture) -> None:
+    """Wrap ``trainer``'s methods so that ``capture`` fills as it trains or evaluates."""
+    for name in ("_generate", "_calculate_rewards", "_generate_and_score_completions", "_compute_loss",
+                 "_get_per_token_logps_and_entropies"):  # fmt: skip
+        if not hasattr(trainer, name):
+            raise AttributeError(f"{type(trainer).__name__} has no {name}: this TRL version lacks the hook point")
+    args = trainer.args
+    capture.trainer_info = {
+        "eos_ids": tuple(int(t) for t in getattr(trainer, "eos_token_ids", None) or [trainer.eos_token_id]),
+        "scale_rewards": getattr(args, "scale_rewards", "group"),
+        "epsilon_low": float(args.epsilon),
+        "epsilon_high": float(args.epsilon_high if args.epsilon_high is not None else args.epsilon),
+        "delta": getattr(args, "delta", None),
+        "steps_per_generation": int(args.steps_per_generation or args.gradient_accumulation_steps),
+    }
+    _wrap_generate(trainer, capture)
+    _wrap_scoring(trainer, capture)
+    _wrap_loss(trainer, capture)

@@ -1,0 +1,223 @@
+"""Numerical invariants of a captured trainer run, each against ``reference`` (the oracle), never against TRL.
+
+- trainer per-token log-probs on the rolled-out tokens vs ``reference.logprobs.per_token_logps`` (DESIGN §4 tiers);
+- advantages vs ``reference.advantages.compute_advantages`` on the rewards the trainer computed;
+- the loss vs ``reference.loss.grpo_loss`` fed the trainer's own per-token log-probs (so only the loss math is judged);
+- sampled tokens inside the support the requested options allow (an option a path ignores shows up here);
+- the log-prob semantics of a path's sampler log-probs: processed or full-support, and the size of the gap.
+
+Checks that need the generation-time model use the caller's untouched model and the *first* generation only (it
+ran before any optimizer step, so its weights are the caller's).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cbverify.findings import FAIL, NA, PASS, CheckResult
+from cbverify.trl_capture import Capture
+from cbverify.trl_scenario import TrainerScenario
+from reference.spec import SamplingParams
+
+FP32_MAX, BF16_MAX, BF16_MEAN = 1e-5, 5e-2, 1e-2  # DESIGN §4
+LOSS_RTOL, LOSS_ATOL = 1e-5, 1e-6  # TRL computes the loss in float32; the reference in float64
+
+
+def _result(check: str, scenario: TrainerScenario, status: str, reason: str) -> CheckResult:
+    return CheckResult(check, scenario.path, status, reason, scenario.describe())
+
+
+def trainer_logprobs_match_reference(scenario: TrainerScenario, capture: Capture) -> list[CheckResult]:
+    check = "trainer_logprobs_match_reference"
+    if not capture.losses:
+        return [_result(check, scenario, FAIL, "no loss call was observed")]
+    diffs = []
+    for record in capture.losses:
+        mask = record.inputs["completion_mask"].bool()
+        for i, ref in enumerate(record.reference_logps):
+            got = record.per_token_logps[i][mask[i]].float().cpu()
+            if got.numel() != ref.numel():
+                return [_result(check, scenario, FAIL, f"row {i}: {got.numel()} trainer log-probs, {ref.numel()} ref")]
+            diffs.append((got - ref).abs())
+    flat = torch.cat(diffs) if diffs else torch.zeros(0)
+    worst, mean = (float(flat.max()), float(flat.mean())) if flat.numel() else (0.0, 0.0)
+    ok = worst <= BF16_MAX and mean <= BF16_MEAN if scenario.bf16 else worst <= FP32_MAX
+    tier = f"bf16 tier max {BF16_MAX}/mean {BF16_MEAN}" if scenario.bf16 else f"fp32 tier max {FP32_MAX}"
+    return [_result(check, scenario, PASS if ok else FAIL,
+                    f"{flat.numel()} tokens: max |diff| {worst:.2e}, mean {mean:.2e} ({tier})")]  # fmt: skip
+
+
+def advantages_match_reference(scenario: TrainerScenario, capture: Capture, scale_rewards: str) -> list[CheckResult]:
+    from reference.advantages import compute_advantages
+
+    check = "advantages_match_reference"
+    if scenario.trainer != "grpo":
+        return [_result(check, scenario, NA, "RLOO's leave-one-out baseline has no reference implementation")]
+    if not capture.scored or len(capture.scored) != len(capture.rewards):
+        return [
+            _result(check, scenario, FAIL, f"{len(capture.scored)} scored batches, {len(capture.rewards)} reward sets")
+        ]
+    worst = 0.0
+    for scored, rewards in zip(capture.scored, capture.rewards, strict=True):
+        expected = compute_advantages(rewards[:, 0].double(), scenario.num_generations, scale_rewards)
+        got = scored["advantages"].double()
+        if got.shape != expected.shape or not torch.allclose(got, expected, rtol=LOSS_RTOL, atol=LOSS_ATOL):
+            return [_result(check, scenario, FAIL, f"advantages {got.tolist()} != reference {expected.tolist()}")]
+        worst = max(worst, float((got - expected).abs().max()))
+    return [_result(check, scenario, PASS, f"{len(capture.scored)} batch(es), max |diff| {worst:.1e}")]
+
+
+def loss_matches_reference(scenario: TrainerScenario, capture: Capture, trainer_args: dict) -> list[CheckResult]:
+    """``trainer_args``: epsilon_low, epsilon_high, delta, steps_per_generation, max_completion_length."""
+    from reference.loss import LossConfig, grpo_loss
+
+    check = "loss_matches_reference"
+    if scenario.trainer != "grpo":
+        return [_result(check, scenario, NA, "RLOO's loss has no reference implementation")]
+    if not capture.losses:
+        return [_result(check, scenario, FAIL, "no loss call was observed")]
+    config = LossConfig(loss_type=scenario.loss_type, epsilon_low=trainer_args["epsilon_low"],
+                        epsilon_high=trainer_args["epsilon_high"], delta=trainer_args["delta"],
+                        importance_sampling_level=scenario.importance_sampling_level,
+                        max_completion_length=scenario.max_completion_length)  # fmt: skip
+    worst = 0.0
+    for record in capture.losses:
+        x = record.inputs
+        old = x.get("old_per_token_logps")
+        items = None
+        if "num_items_in_batch" in x:  # TRL rescales the generation batch's count to one accumulation window
+            items = float(x["num_items_in_batch"]) * record.accumulation_steps / trainer_args["steps_per_generation"]
+        ref = grpo_loss(
+            record.per_token_logps.double(),
+            None if old is None else old.double(),
+            None,
+            None,
+            x["advantages"].double(),
+            x["completion_mask"].double(),
+            config,
+            num_items_in_batch=items,
+        )
+        expected = float(ref.loss)
+        if scenario.loss_type in ("grpo", "bnpo", "dr_grpo"):
+            expected /= record.accumulation_steps  # TRL divides these by the accumulation steps itself
+        if abs(record.loss - expected) > LOSS_ATOL + LOSS_RTOL * abs(expected):
+            return [_result(check, scenario, FAIL, f"trainer loss {record.loss:.8g} != reference {expected:.8g}")]
+        worst = max(worst, abs(record.loss - expected))
+    return [_result(check, scenario, PASS, f"{len(capture.losses)} loss call(s), max |diff| {worst:.1e}")]
+
+
+def _sampling(scenario: TrainerScenario, *, relax: bool = False) -> SamplingParams:
+    """The scenario's options; ``relax`` widens top-p / min-p by 1e-3 so a token at a numerical boundary passes."""
+    top_p, min_p = scenario.top_p, scenario.min_p
+    if relax:
+        top_p, min_p = min(1.0, top_p + 1e-3), min_p * (1 - 1e-3)
+    return SamplingParams(temperature=scenario.temperature, top_k=scenario.top_k, top_p=top_p, min_p=min_p,
+                          max_new_tokens=scenario.max_completion_length)  # fmt: skip
+
+
+def _penalised_argmax_ok(model, prompt, completion, penalty: float) -> int | None:
+    """First position whose token is not the argmax of the repetition-penalised logits, or ``None``."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from reference.logprobs import completion_logits
+
+    logits = completion_logits(model, prompt, completion)  # (L, V)
+    processor = RepetitionPenaltyLogitsProcessor(penalty)
+    for i, token in enumerate(completion):
+        prefix = torch.tensor([list(prompt) + list(completion[:i])])  # (1, P + i)
+        scores = processor(prefix, logits[i : i + 1].clone())[0]  # (V,)
+        top2 = torch.topk(scores, 2).values
+        if token != int(torch.argmax(scores)) and float(top2[0] - top2[1]) > 1e-4:
+            return i
+    return None
+
+
+def sampled_tokens_within_processed_support(scenario: TrainerScenario, capture: Capture, model) -> list[CheckResult]:
+    from reference.logprobs import processed_per_token_logps
+
+    check = "sampled_tokens_within_processed_support"
+    restricted = scenario.top_k or scenario.top_p < 1 or scenario.min_p > 0 or scenario.repetition_penalty != 1
+    if not restricted:
+        return [_result(check, scenario, NA, "no support-restricting option drawn")]
+    if scenario.bf16:
+        return [_result(check, scenario, NA, "bf16 sampling boundaries are not comparable to fp32 teacher forcing")]
+    if not capture.generations or capture.generations[0].completion_ids is None:
+        return [_result(check, scenario, FAIL, "no completions to check")]
+    record = capture.generations[0]
+    if scenario.repetition_penalty != 1:
+        if not scenario.greedy:
+            return [_result(check, scenario, NA, "repetition penalty is checked under greedy decoding only")]
+        for i, (p, c) in enumerate(zip(record.prompt_ids, record.completion_ids, strict=True)):
+            pos = _penalised_argmax_ok(model, p, c, scenario.repetition_penalty)
+            if pos is not None:
+                return [
+                    _result(
+                        check,
+                        scenario,
+                        FAIL,
+                        f"row {i} pos {pos}: token is not the argmax of the "
+                        f"repetition_penalty={scenario.repetition_penalty} logits (option ignored)",
+                    )
+                ]
+        return [_result(check, scenario, PASS, "every greedy token is the argmax of the penalised logits")]
+    if scenario.greedy:
+        return [_result(check, scenario, NA, "greedy decoding ignores top-k/top-p/min-p")]
+    sampling = [_sampling(scenario, relax=True)] * len(record.completion_ids)
+    lps = processed_per_token_logps(model, record.prompt_ids, record.completion_ids, sampling)
+    outside = [(i, int(torch.nonzero(torch.isinf(lp))[0])) for i, lp in enumerate(lps) if torch.isinf(lp).any()]
+    total = sum(len(c) for c in record.completion_ids)
+    if outside:
+        i, pos = outside[0]
+        return [
+            _result(
+                check,
+                scenario,
+                FAIL,
+                f"{len(outside)} row(s) hold tokens the options exclude; first row {i} "
+                f"pos {pos} (top_k={scenario.top_k}, top_p={scenario.top_p}, min_p={scenario.min_p})",
+            )
+        ]
+    return [_result(check, scenario, PASS, f"{total} sampled tokens all inside the processed support")]
+
+
+def sampler_logprob_semantics(scenario: TrainerScenario, capture: Capture, model) -> list[CheckResult]:
+    """Identify a path's sampler log-probs as processed or full-support; report the gap between the two."""
+    from reference.logprobs import per_token_logps, processed_per_token_logps
+
+    check = "sampler_logprob_semantics"
+    if not capture.generations or capture.generations[0].completion_ids is None:
+        return [_result(check, scenario, NA, "no completions")]
+    record = capture.generations[0]
+    given = record.sampler_logprobs or [list(o.logprobs) for o in record.raw_outputs or [] if o.logprobs] or None
+    if given is None or scenario.greedy:
+        return [_result(check, scenario, NA, "path exposes no sampler log-probs" if given is None else "greedy")]
+    tol = BF16_MAX if scenario.bf16 else 1e-4
+    cut = [lp[: len(c)] for lp, c in zip(given, record.completion_ids, strict=True)]
+    sampling = [_sampling(scenario)] * len(cut)
+    processed = processed_per_token_logps(model, record.prompt_ids, record.completion_ids, sampling)
+    full = per_token_logps(model, record.prompt_ids, record.completion_ids, scenario.temperature)
+    got = torch.cat([torch.tensor(x, dtype=torch.float32) for x in cut])
+    proc, fullc = torch.cat(processed), torch.cat(full)
+    gap = (proc - fullc).abs()
+    d_proc, d_full = float((got - proc).abs().max()), float((got - fullc).abs().max())
+    gap_text = f"|processed-full| mean {float(gap.mean()):.3g} max {float(gap.max()):.3g}"
+    if d_proc <= tol:
+        return [_result(check, scenario, PASS, f"processed (max |diff| {d_proc:.1e}); {gap_text}")]
+    if d_full <= tol:
+        return [_result(check, scenario, PASS, f"full-support (max |diff| {d_full:.1e}); {gap_text}")]
+    return [_result(check, scenario, FAIL, f"neither: max |diff| processed {d_proc:.2e}, full {d_full:.2e}")]
+
+
+def greedy_paths_agree(captures: dict[str, Capture], scenario_text: str) -> CheckResult:
+    """Same seed, greedy decoding: every path's first-generation completions are identical."""
+    firsts = {p: c.generations[0].completion_ids for p, c in captures.items() if c.generations}
+    if len(firsts) < 2:
+        return CheckResult("greedy_paths_agree", "*", NA, f"only {sorted(firsts)} produced completions", scenario_text)
+    base_path, base = next(iter(firsts.items()))
+    for path, comps in firsts.items():
+        if comps != base:
+            rows = [i for i, (a, b) in enumerate(zip(base, comps or [], strict=False)) if a != b]
+            return CheckResult(
+                "greedy_paths_agree", "*", FAIL, f"{path} differs from {base_path} on rows {rows[:4]}", scenario_text
+            )
+    return CheckResult("greedy_paths_agree", "*", PASS, f"{' = '.join(firsts)} on {len(base)} rows", scenario_text)

@@ -1,0 +1,151 @@
+"""One drawn configuration of a TRL trainer run (:class:`TrainerScenario`) and how it becomes a real trainer.
+
+A scenario names the trainer (``grpo`` / ``rloo``), the generation path and every knob the upstream invariants vary
+(issue 6, point 2). :func:`build_trainer` turns it into a TRL 1.16 ``GRPOTrainer`` / ``RLOOTrainer`` that runs
+offline on a local model object: ``datasets.Dataset.from_list``, ``report_to="none"``, ``use_cpu`` on CPU, no hub.
+
+Paths:
+
+- ``generate``: TRL's default, ``model.generate()`` on a left-padded batch;
+- ``cb``: ``use_transformers_continuous_batching=True`` with a small explicit
+  ``transformers_continuous_batching_config`` (``num_blocks`` / ``max_batch_tokens``: the defaults reserve GBs on CPU);
+- ``rollout_func``: a ``rollout_func`` backed by an engine (``cb_impl`` when it exists, else the reference generator),
+  built by :mod:`cbverify.trl_rollout`.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+
+from reference import tasks
+
+PATHS = ("generate", "cb", "rollout_func")
+TRAINERS = ("grpo", "rloo")
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo")
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerScenario:
+    """Everything one trainer run depends on; ``repr`` is a complete repro."""
+
+    path: str = "generate"
+    trainer: str = "grpo"
+    num_generations: int = 2
+    num_prompts: int = 2  # prompts per generation batch; the batch is num_prompts * num_generations completions
+    max_completion_length: int = 6
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    greedy: bool = False  # generation_kwargs={"do_sample": False}
+    bf16: bool = False
+    gradient_accumulation_steps: int = 1
+    loss_type: str = "dapo"
+    importance_sampling_level: str = "token"
+    is_correction: bool = False  # vllm_importance_sampling_correction (TRL's only IS-correction switch)
+    is_mode: str = "sequence_mask"
+    cb_return_logprobs: bool = False  # transformers_continuous_batching_config["return_logprobs"]
+    max_steps: int = 1
+    seed: int = 0
+    evaluate: bool = False  # run trainer.evaluate() instead of trainer.train()
+    rollout_backend: str = "auto"  # rollout_func path: "cb_impl", "reference" or "auto" (cb_impl when importable)
+    extra_cb_config: tuple[tuple[str, object], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.path in PATHS, f"path must be one of {PATHS}, got {self.path!r}"),
+            (self.trainer in TRAINERS, f"trainer must be one of {TRAINERS}, got {self.trainer!r}"),
+            (self.num_generations >= 2, f"num_generations must be >= 2 (a group), got {self.num_generations}"),
+            (self.num_prompts >= 1, f"num_prompts must be >= 1, got {self.num_prompts}"),
+            (self.max_completion_length >= 1, f"max_completion_length must be >= 1, got {self.max_completion_length}"),
+            (self.temperature > 0, f"temperature must be > 0 (TRL divides by it), got {self.temperature}"),
+            (self.top_k >= 0 and 0 < self.top_p <= 1 and 0 <= self.min_p <= 1, "invalid top_k / top_p / min_p"),
+            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (self.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1"),
+            (self.loss_type in LOSS_TYPES, f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}"),
+            (self.importance_sampling_level in ("token", "sequence"), "importance_sampling_level: token|sequence"),
+            (self.is_mode in IS_MODES, f"is_mode must be one of {IS_MODES}, got {self.is_mode!r}"),
+            (self.max_steps >= 1, f"max_steps must be >= 1, got {self.max_steps}"),
+            (self.rollout_backend in ("auto", "cb_impl", "reference"), "rollout_backend: auto|cb_impl|reference"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def batch_size(self) -> int:
+        return self.num_prompts * self.num_generations
+
+    def describe(self) -> str:
+        """A short one-line label: the fields that differ from the defaults."""
+        default = TrainerScenario()
+        changed = {k: v for k, v in asdict(self).items() if getattr(default, k) != v or k == "path"}
+        return ", ".join(f"{k}={v}" for k, v in changed.items())
+
+
+def make_dataset(scenario: TrainerScenario):
+    """``num_prompts * max_steps * gradient_accumulation_steps`` arithmetic prompts (plain text, no chat template)."""
+    from datasets import Dataset
+
+    num = scenario.num_prompts * scenario.max_steps * scenario.gradient_accumulation_steps
+    problems = tasks.make_problems(num, seed=scenario.seed, max_terms=3)
+    return Dataset.from_list([{"prompt": p.prompt, "answer": p.answer} for p in problems])
+
+
+def arithmetic_reward(prompts, completions, completion_ids, answer, **_) -> list[float]:
+    """Correct answer ending on EOS scores 1; plus a small deterministic token-dependent term so that even a random
+    model gives a group reward variance (otherwise every advantage is 0 and the loss checks see nothing)."""
+    out = []
+    for ids, gold in zip(completion_ids, answer, strict=True):
+        problem_ok = bool(ids) and ids[-1] == tasks.EOS_ID and tasks.parse_answer(tasks.decode(ids)) == gold
+        out.append(float(problem_ok) + (sum(ids) % 7) / 7.0)
+    return out
+
+
+def _common_args(scenario: TrainerScenario, output_dir: str) -> dict:
+    import torch
+
+    args = dict(
+        output_dir=output_dir, report_to="none", use_cpu=not torch.cuda.is_available(), bf16=scenario.bf16,
+        per_device_train_batch_size=scenario.batch_size, per_device_eval_batch_size=scenario.batch_size,
+        gradient_accumulation_steps=scenario.gradient_accumulation_steps, num_generations=scenario.num_generations,
+        max_completion_length=scenario.max_completion_length, temperature=scenario.temperature,
+        top_k=scenario.top_k, top_p=scenario.top_p, min_p=scenario.min_p or None,
+        repetition_penalty=scenario.repetition_penalty, max_steps=scenario.max_steps, seed=scenario.seed,
+        save_strategy="no", logging_steps=1, disable_tqdm=True, learning_rate=1e-3, beta=0.0,
+    )  # fmt: skip
+    if scenario.greedy:
+        args["generation_kwargs"] = {"do_sample": False}
+    if scenario.path == "cb":
+        cb = {"num_blocks": 32, "max_batch_tokens": 128, "return_logprobs": scenario.cb_return_logprobs}
+        cb.update(dict(scenario.extra_cb_config))
+        args.update(use_transformers_continuous_batching=True, transformers_continuous_batching_config=cb)
+    return args
+
+
+def build_trainer(scenario: TrainerScenario, model, tokenizer, rollout_func=None):
+    """A real TRL trainer for ``scenario`` on ``model`` (trained in place: pass a copy you can spare)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func's "experimental" banner, every run
+    output_dir = tempfile.mkdtemp(prefix="cbverify-trl-")
+    args = _common_args(scenario, output_dir)
+    dataset = make_dataset(scenario)
+    common = dict(model=model, reward_funcs=arithmetic_reward, train_dataset=dataset, processing_class=tokenizer)
+    if scenario.evaluate:
+        common["eval_dataset"] = dataset
+    if scenario.trainer == "grpo":
+        from trl import GRPOConfig, GRPOTrainer
+
+        args.update(loss_type=scenario.loss_type, importance_sampling_level=scenario.importance_sampling_level,
+                    vllm_importance_sampling_correction=scenario.is_correction,
+                    vllm_importance_sampling_mode=scenario.is_mode)  # fmt: skip
+        return GRPOTrainer(args=GRPOConfig(**args), rollout_func=rollout_func, **common)
+    if rollout_func is not None:
+        raise ValueError("RLOOTrainer (trl 1.16) takes no rollout_func: the rollout_func path is GRPO-only")
+    from trl import RLOOConfig, RLOOTrainer
+
+    return RLOOTrainer(args=RLOOConfig(**args), **common)

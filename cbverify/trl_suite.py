@@ -1,0 +1,112 @@
+"""Run every upstream invariant on one scenario (:func:`check_scenario`), and the fixed default suite
+(:data:`DEFAULT_SCENARIOS`, :func:`run_suite`) that ``cbverify upstream --run`` and ``cbverify matrix`` execute.
+
+Each result is judged against the findings registry (:func:`judge`): PASS and NOT-APPLICABLE are fine, a FAIL is
+fine only when a registered finding covers it ("xfail"), and a covered check that no longer fails is reported as
+"FIXED?" so the registry entry gets revisited.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import replace
+
+from cbverify import trl_checks as checks
+from cbverify import trl_numerics as numerics
+from cbverify.findings import FAIL, NA, CheckResult, expected_status
+from cbverify.trl_paths import not_applicable, run_scenario
+from cbverify.trl_scenario import TrainerScenario
+
+CHECKS = (
+    "run_completes", "no_silent_request_failure", "completions_aligned", "generation_keeps_attn_and_config",
+    "generation_keeps_params", "generation_keeps_mode", "generation_keeps_rng", "generation_keeps_forward",
+    "sampler_logprobs_reach_trainer", "is_correction_applied", "mixed_precision_completes",
+    "trainer_logprobs_match_reference", "advantages_match_reference", "loss_matches_reference",
+    "sampled_tokens_within_processed_support", "sampler_logprob_semantics",
+)  # fmt: skip
+
+
+def check_scenario(scenario: TrainerScenario, model, tokenizer) -> list[CheckResult]:
+    """All checks of :data:`CHECKS` on one scenario (NOT-APPLICABLE for all when the stack cannot run it)."""
+    reason = not_applicable(scenario)
+    if reason:
+        return [CheckResult(name, scenario.path, NA, reason, scenario.describe()) for name in CHECKS]
+    capture = run_scenario(scenario, model, tokenizer)
+    info = capture.trainer_info
+    results = [
+        *checks.run_completes(scenario, capture),
+        *checks.no_silent_request_failure(scenario, capture),
+        *checks.completions_aligned(scenario, capture, info.get("eos_ids", ())),
+        *checks.generation_leaves_no_trace(scenario, capture),
+        *checks.sampler_logprobs_reach_trainer(scenario, capture),
+        *checks.is_correction_applied(scenario, capture),
+        *checks.mixed_precision_completes(scenario, capture),
+    ]
+    if capture.losses or capture.run_error is None:
+        results += [
+            *numerics.trainer_logprobs_match_reference(scenario, capture),
+            *numerics.advantages_match_reference(scenario, capture, info.get("scale_rewards", "group")),
+            *numerics.loss_matches_reference(scenario, capture, info),
+        ]
+    else:
+        for name in ("trainer_logprobs_match_reference", "advantages_match_reference", "loss_matches_reference"):
+            results.append(CheckResult(name, scenario.path, NA, "the run crashed before any loss (see run_completes)",
+                                       scenario.describe()))  # fmt: skip
+    results += numerics.sampled_tokens_within_processed_support(scenario, capture, model)
+    results += numerics.sampler_logprob_semantics(scenario, capture, model)
+    if capture.rollout_backend:
+        results = [replace(r, reason=f"[{capture.rollout_backend}] {r.reason}") for r in results]
+    return results
+
+
+def judge(result: CheckResult, scenario: TrainerScenario) -> tuple[bool, str]:
+    """``(ok, label)``: label is PASS / NOT-APPLICABLE / XFAIL(<finding>) / FAIL / FIXED?(<finding>)."""
+    finding = expected_status(result, scenario)
+    if result.status == FAIL:
+        return (True, f"XFAIL({finding})") if finding else (False, "FAIL")
+    if finding and result.status != NA:
+        return False, f"FIXED?({finding})"
+    return True, result.status
+
+
+_BASE = dict(num_generations=2, num_prompts=2, max_completion_length=6, max_steps=1)
+DEFAULT_SCENARIOS: tuple[TrainerScenario, ...] = tuple(
+    TrainerScenario(**{**_BASE, **kw})
+    for kw in (
+        dict(path="generate", top_k=3, is_correction=True),
+        dict(path="cb", top_k=3, is_correction=True, cb_return_logprobs=True),
+        dict(path="rollout_func", top_k=3, is_correction=True, rollout_backend="reference"),
+        dict(path="generate", greedy=True, loss_type="grpo", gradient_accumulation_steps=2),
+        dict(path="cb", greedy=True, loss_type="grpo", gradient_accumulation_steps=2),
+        dict(path="cb", greedy=True, repetition_penalty=1.5),
+        dict(path="generate", greedy=True, repetition_penalty=1.5),
+        dict(path="generate", bf16=True, loss_type="bnpo"),
+        dict(path="cb", bf16=True),
+        dict(path="cb", evaluate=True),
+        dict(path="cb", trainer="rloo", top_p=0.8),
+        dict(path="generate", trainer="rloo", top_p=0.8),
+    )
+)
+GREEDY_AGREEMENT = TrainerScenario(**{**_BASE, "greedy": True, "rollout_backend": "reference"})
+
+
+def greedy_agreement(model, tokenizer) -> CheckResult:
+    """The same greedy scenario on every path that runs here; completions must be identical."""
+    captures = {}
+    for path in ("generate", "cb", "rollout_func"):
+        scenario = replace(GREEDY_AGREEMENT, path=path)
+        if not_applicable(scenario) is None:
+            captures[path] = run_scenario(scenario, model, tokenizer)
+    return numerics.greedy_paths_agree(captures, GREEDY_AGREEMENT.describe())
+
+
+def run_suite(model, tokenizer, scenarios: Iterable[TrainerScenario] = DEFAULT_SCENARIOS, progress: bool = True):
+    """``[(scenario or None, result)]`` for every default scenario and check, plus the greedy agreement."""
+    from tqdm import tqdm
+
+    scenarios = list(scenarios)
+    out: list[tuple[TrainerScenario | None, CheckResult]] = []
+    for scenario in tqdm(scenarios, desc="upstream scenarios", disable=not progress, unit="run"):
+        out += [(scenario, r) for r in check_scenario(scenario, model, tokenizer)]
+    out.append((None, greedy_agreement(model, tokenizer)))
+    return out
