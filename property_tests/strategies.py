@@ -73,3 +73,129 @@ def rollout_requests(
                 )
             )
     return requests
+
+
+@st.composite
+def grpo_batches(
+    draw,
+    *,
+    max_prompts: int = 3,
+    max_generations: int = 4,
+    max_len: int = 6,
+    nan_rewards: bool = True,
+    max_log_ratio: float = 6.0,
+) -> dict:
+    """A padded GRPO micro-batch as TRL's loss sees it, drawn in float64.
+
+    Keys: ``num_generations``; ``rewards`` (B,) with NaN for unscorable completions when ``nan_rewards``;
+    ``completion_mask`` (B, T) int64 (right padding, rows may be empty, at least one token overall);
+    ``per_token_logps``, ``old_per_token_logps``, ``ref_per_token_logps`` (B, T) float64, log-ratios up to
+    ``max_log_ratio`` in size; ``sampling_per_token_logps`` (B, T), every value float32-representable (engines report
+    float32) and NaN at a few real tokens (tokens the engine could not score). Padded positions hold junk values.
+    """
+    import torch
+
+    num_generations = draw(st.integers(1, max_generations))
+    batch = num_generations * draw(st.integers(1, max_prompts))
+    lengths = draw(st.lists(st.integers(0, max_len), min_size=batch, max_size=batch).filter(lambda xs: max(xs) > 0))
+    width = max(lengths)
+    shape = (batch, width)
+    mask = torch.tensor([[1 if t < n else 0 for t in range(width)] for n in lengths], dtype=torch.int64)
+
+    def floats(lo: float, hi: float) -> torch.Tensor:
+        values = draw(st.lists(st.floats(lo, hi, width=32), min_size=batch * width, max_size=batch * width))
+        return torch.tensor(values, dtype=torch.float64).reshape(shape)
+
+    per = floats(-8.0, 0.0)
+    old = per + floats(-max_log_ratio, max_log_ratio) * draw(st.sampled_from([0.0, 0.05, 0.3, 1.0]))
+    ref = per + floats(-max_log_ratio, max_log_ratio) * draw(st.sampled_from([0.0, 0.1, 1.0]))
+    sampling = (old + floats(-max_log_ratio, max_log_ratio) * draw(st.sampled_from([0.0, 0.02, 0.3, 1.0])))
+    sampling = sampling.to(torch.float32).to(torch.float64)  # what an engine's float32 log-probs look like
+    if draw(st.booleans()):
+        unscored = torch.tensor(draw(st.lists(st.booleans(), min_size=batch * width, max_size=batch * width)))
+        sampling = sampling.masked_fill(unscored.reshape(shape) & (mask == 1), float("nan"))
+    reward_values = st.sampled_from([0.0, 1.0, 1.0, 0.5]) | st.floats(-3.0, 3.0, width=32)
+    if nan_rewards:
+        reward_values = reward_values | st.just(float("nan"))
+    rewards = torch.tensor(draw(st.lists(reward_values, min_size=batch, max_size=batch)), dtype=torch.float64)
+    return {
+        "num_generations": num_generations, "rewards": rewards, "completion_mask": mask, "per_token_logps": per,
+        "old_per_token_logps": old, "ref_per_token_logps": ref, "sampling_per_token_logps": sampling,
+    }  # fmt: skip
+
+
+@st.composite
+def loss_configs(draw, *, loss_types: tuple[str, ...] | None = None, is_correction: bool | None = None):
+    """A ``reference.loss.LossConfig`` covering every loss type, IS level, IS correction mode and clip bound."""
+    from reference.loss import IS_MODES, LOSS_TYPES, LossConfig
+
+    loss_type = draw(st.sampled_from(loss_types or LOSS_TYPES))
+    epsilon_low = draw(st.sampled_from([0.1, 0.2, 0.3]))
+    if loss_type == "cispo":
+        epsilon_high = draw(st.sampled_from([0.8, 1.5, 5.0]))  # cispo: an upper bound on the ratio itself
+    else:
+        epsilon_high = draw(st.sampled_from([None, 0.28, 0.5]))
+    use_is = draw(st.booleans()) if is_correction is None else is_correction
+    mode = draw(st.sampled_from(IS_MODES)) if use_is else None
+    clip_min = draw(st.sampled_from([None, 0.0, 0.2, 0.5]))
+    clip_max = draw(st.sampled_from([None, 2.0, 3.0] if clip_min is not None else [2.0, 3.0, 10.0]))
+    return LossConfig(
+        loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+        delta=draw(st.sampled_from([None, None, 1.5, 3.0])), beta=draw(st.sampled_from([0.0, 0.0, 0.04, 0.5])),
+        importance_sampling_level=draw(st.sampled_from(["token", "sequence"])),
+        use_bias_correction_kl=draw(st.booleans()), is_correction=mode, is_clip_min=clip_min, is_clip_max=clip_max,
+        max_completion_length=draw(st.integers(6, 16)) if loss_type == "dr_grpo" else None,
+    )  # fmt: skip
+
+
+@st.composite
+def engine_configurations(draw, *, engine: str, max_sequence_len: int = 64) -> dict:
+    """Constructor options for ``cbverify.engines.get_engine(engine, model, **options)``, small enough for CPU.
+
+    ``cb_impl``: any block size, a cache that holds at least one ``max_sequence_len`` sequence (so tight caches force
+    preemption instead of failing), batch-token budgets down to 8 (chunked prefill), 1-256 running sequences, prefix
+    sharing on/off. ``transformers-cb``: page size and batch-token budget. ``hf-generate``: batch size and RNG seed.
+    """
+    if engine == "cb_impl":
+        block_size = draw(st.sampled_from([1, 2, 4, 16]))
+        min_blocks = -(-max_sequence_len // block_size) + 1
+        return dict(
+            block_size=block_size, num_blocks=min_blocks + draw(st.integers(0, 3 * min_blocks)),
+            max_batch_tokens=draw(st.sampled_from([8, 16, 64, 512])), max_num_seqs=draw(st.sampled_from([1, 2, 256])),
+            enable_prefix_sharing=draw(st.booleans()),
+        )  # fmt: skip
+    if engine == "transformers-cb":
+        return dict(
+            page_size=draw(st.sampled_from([8, 16, 32])), max_batch_tokens=draw(st.sampled_from([32, 64, 256])),
+            seed=draw(st.integers(0, 2**31 - 1)),
+        )  # fmt: skip
+    if engine == "hf-generate":
+        return dict(max_batch_size=draw(st.sampled_from([None, 1, 2])), seed=draw(st.integers(0, 2**31 - 1)))
+    if engine == "reference":
+        return {}
+    raise ValueError(f"no configurations for engine {engine!r}")
+
+
+@st.composite
+def length_dists(draw, *, max_hi: int = 256):
+    """A clipped-lognormal length distribution for ``bench.workloads`` (1 <= lo <= median <= hi <= max_hi)."""
+    from bench.workloads import LengthDist
+
+    lo = draw(st.integers(1, max_hi))
+    median = draw(st.integers(lo, max_hi))
+    hi = draw(st.integers(median, max_hi))
+    return LengthDist(median, draw(st.sampled_from([0.0, 0.1, 0.55, 1.5])), lo, hi)
+
+
+@st.composite
+def bench_workloads(draw, *, max_generations: int = 8, max_prompts: int = 3, max_len: int = 24):
+    """A small random-prompt ``bench.workloads.Workload`` (gsm8k-like or uniform shape) with drawn sizes and seed."""
+    from bench.workloads import Workload
+
+    completion = draw(length_dists(max_hi=max_len))
+    return Workload(
+        name=draw(st.sampled_from(["gsm8k-like", "uniform"])), num_prompts=draw(st.integers(1, max_prompts)),
+        num_generations=draw(st.integers(1, max_generations)), prompt_len=draw(length_dists(max_hi=max_len)),
+        completion_len=completion, max_new_tokens=draw(st.integers(completion.hi, max_len)),
+        temperature=draw(st.sampled_from([0.0, 1.0])), seed=draw(st.integers(0, 2**31)),
+    )  # fmt: skip

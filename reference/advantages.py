@@ -1,0 +1,79 @@
+"""Group-relative advantages (GRPO), written as plain loops over groups so each number can be checked by hand.
+
+``rewards`` is a flat (B,) vector of ``B = num_prompts * num_generations`` rewards, the ``num_generations``
+completions of one prompt being contiguous (TRL's layout). For completion ``j`` of group ``g``::
+
+    advantage = (reward - group_mean) / (std + 1e-4)      scale_rewards = "group": std of the group
+                                                          scale_rewards = "batch": std of the whole batch
+    advantage =  reward - group_mean                      scale_rewards = "none"
+
+``std`` is Bessel-corrected (divides by ``n - 1``).
+
+Unscorable completions (reward NaN) follow TRL 1.16.0 (``GRPOTrainer._generate_and_score_completions``,
+``multi_objective_aggregation="sum_then_normalize"``), exactly:
+
+- NaN rewards are *excluded* from every statistic: the mean and the std are over the scorable rewards only, and
+  ``n`` is the number of scorable rewards (TRL's ``torch.nanmean`` / ``trl.trainer.utils.nanstd``);
+- a std over fewer than 2 scorable rewards is undefined (NaN), so with ``"group"`` a group with at most one scorable
+  reward gets advantage 0 for *every* member, and with ``"batch"`` a batch with at most one scorable reward does;
+- a group whose rewards are all NaN has an undefined mean, so all its advantages are 0 (any scaling);
+- finally every NaN advantage becomes 0 (in particular every unscorable completion's own advantage).
+
+Exceptions copied from TRL: with ``num_generations == 1`` the group std is 0 (not NaN), and with a batch of one
+reward the batch std is 0.
+
+Simplifications versus TRL: one reward function (TRL sums several weighted reward functions first, and offers a
+``normalize_then_sum`` aggregation); no multi-process gather/slice; float64 throughout.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+SCALE_REWARDS = ("group", "batch", "none")
+EPS = 1e-4
+
+
+def nan_mean(values: list[float]) -> float:
+    """Mean of the non-NaN values; NaN when there are none."""
+    kept = [v for v in values if not math.isnan(v)]
+    return sum(kept) / len(kept) if kept else math.nan
+
+
+def nan_std(values: list[float]) -> float:
+    """Bessel-corrected std of the non-NaN values; NaN when fewer than two are left."""
+    kept = [v for v in values if not math.isnan(v)]
+    if len(kept) < 2:
+        return math.nan
+    mean = sum(kept) / len(kept)
+    return math.sqrt(sum((v - mean) ** 2 for v in kept) / (len(kept) - 1))
+
+
+def compute_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group") -> torch.Tensor:
+    """(B,) rewards -> (B,) float64 advantages (see the module docstring for the exact rule)."""
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
+    if not isinstance(num_generations, int) or num_generations < 1:
+        raise ValueError(f"num_generations must be an int >= 1, got {num_generations!r}")
+    if rewards.dim() != 1 or rewards.numel() % num_generations != 0:
+        raise ValueError(
+            f"rewards must be (B,) with B a multiple of num_generations={num_generations}, got {tuple(rewards.shape)}"
+        )
+    values = [float(r) for r in rewards.to(torch.float64)]
+    batch_std = nan_std(values) if len(values) > 1 else 0.0
+    advantages: list[float] = []
+    for start in range(0, len(values), num_generations):
+        group = values[start : start + num_generations]
+        mean = nan_mean(group)
+        if scale_rewards == "group":
+            std = nan_std(group) if num_generations > 1 else 0.0
+        else:
+            std = batch_std
+        for reward in group:
+            advantage = reward - mean
+            if scale_rewards != "none":
+                advantage = advantage / (std + EPS)
+            advantages.append(0.0 if math.isnan(advantage) else advantage)
+    return torch.tensor(advantages, dtype=torch.float64, device=rewards.device)  # (B,)
