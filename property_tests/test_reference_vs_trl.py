@@ -10,9 +10,9 @@ Expected version: TRL 1.16.0 (``loss_type="dapo"`` default, ``use_bias_correctio
 advantages, IS correction inside ``_generate_and_score_completions``); the test names it and fails loudly on
 another version rather than silently comparing against different semantics.
 
-Tolerance: rtol 1e-6 (DESIGN §4), plus atol 1e-12 for values that are exactly 0 on one side. Every tensor handed to TRL is float64, so TRL computes in float64 too, except the
-sampling log-probs, which TRL turns into a float32 tensor; the strategy draws them float32-representable, so no
-rounding happens there either.
+Tolerance: rtol 1e-6 (DESIGN §4), plus atol 1e-12 for values that are exactly 0 on one side. Every tensor handed
+to TRL is float64, so TRL computes in float64 too, except the sampling log-probs, which TRL turns into a float32
+tensor; the strategy draws them float32-representable, so no rounding happens there either.
 """
 
 from __future__ import annotations
