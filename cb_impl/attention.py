@@ -111,18 +111,19 @@ class PagedAttention:
             kg = k_cache[g.kv_slots].transpose(1, 2).to(q.dtype)  # (S, Hkv, L, D)
             vg = v_cache[g.kv_slots].transpose(1, 2).to(q.dtype)  # (S, Hkv, L, D)
             og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scaling, enable_gqa=True)
-            out[g.q_index[g.q_valid]] = og.transpose(1, 2)[g.q_valid]  # (S, Q, Hq, D) -> valid rows
+            out[g.q_index[g.q_valid]] = og.transpose(1, 2)[g.q_valid].to(out.dtype)  # (S, Q, Hq, D) -> valid rows
         return out[None], None  # (1, T, Hq, D)
 
     @contextmanager
     def attached(self, model: torch.nn.Module) -> Iterator[None]:
-        """Route ``model``'s attention here (eval mode, no grad); restore its attention implementation and
-        training mode afterwards, also when the body raises."""
+        """Route ``model``'s attention here (eval mode, no grad, autocast off: the engine computes in the model's
+        own dtype); restore its attention implementation and training mode afterwards, also when the body raises."""
         original, was_training = model.config._attn_implementation, model.training
         try:
             model.set_attn_implementation(self.name)
             model.eval()
-            with torch.no_grad():
+            device_type = next(model.parameters()).device.type
+            with torch.no_grad(), torch.autocast(device_type, enabled=False):
                 yield
         finally:
             model.set_attn_implementation(original)

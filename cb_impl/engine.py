@@ -61,8 +61,9 @@ class LLMEngine:
                                    enable_prefix_sharing=self.config.enable_prefix_sharing)  # fmt: skip
         self._next_seq_id = 0
         self._live: dict[str, Sequence] = {}
-        self._counters = dict.fromkeys(("num_steps", "num_requests", "num_forward_tokens", "num_prefill_tokens",
-                                        "num_decode_tokens", "num_generated_tokens", "num_failed_requests"), 0)  # fmt: skip
+        names = ("num_steps", "num_requests", "num_forward_tokens", "num_prefill_tokens", "num_decode_tokens",
+                 "num_generated_tokens", "num_failed_requests")  # fmt: skip
+        self._counters = dict.fromkeys(names, 0)
         self._timers = {"schedule_s": 0.0, "model_s": 0.0, "sample_s": 0.0}
 
     # --- input checking ------------------------------------------------------------------------------------------
@@ -91,8 +92,9 @@ class LLMEngine:
                                  f" = {total} exceeds the model's context of {max_len} tokens")  # fmt: skip
             needed = blocks_for(total - 1, bs)
             if needed > self.block_manager.num_blocks:
-                raise ValueError(f"request {rid!r} needs {needed} KV-cache blocks of {bs} tokens but the memory budget"
-                                 f" holds {self.block_manager.num_blocks}: raise num_blocks / max_memory_fraction")  # fmt: skip
+                raise ValueError(f"request {rid!r} needs {needed} KV-cache blocks of {bs} tokens but the memory "
+                                 f"budget holds {self.block_manager.num_blocks}: raise num_blocks or "
+                                 "max_memory_fraction")  # fmt: skip
 
     # --- incremental API -----------------------------------------------------------------------------------------
     def add_request(self, request: RolloutRequest) -> None:
@@ -127,7 +129,8 @@ class LLMEngine:
             tokens, logprobs = sample(logits, params)
             sampled = list(zip(tokens.tolist(), logprobs.tolist(), strict=True))
         except Exception as err:
-            failed = batch.sequences + [f for s in batch.sequences for f in s.followers]
+            touched = batch.sequences + [f for s in batch.sequences for f in s.followers]
+            failed = list({id(s): s for s in touched}.values())
             for seq in failed:
                 self.scheduler.finish(seq, error=err)
                 self._live.pop(seq.request_id, None)

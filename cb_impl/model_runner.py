@@ -39,7 +39,8 @@ class ModelRunner:
         num_blocks = plan_num_blocks(config, block_bytes=block_bytes, max_model_len=self.max_model_len,
                                      device=self.device)  # fmt: skip
         self.cache = PagedKVCache(num_layers=self.num_layers, num_blocks=num_blocks, block_size=config.block_size,
-                                  num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=self.device)  # fmt: skip
+                                  num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+                                  device=self.device)  # fmt: skip
         self.attention = PagedAttention(self.cache)
         self._depth = 0
         self.num_pairs = 0
@@ -87,9 +88,9 @@ class ModelRunner:
         for members in ([c for c, n in enumerate(lengths) if n == 1], [c for c, n in enumerate(lengths) if n > 1]):
             if members:
                 sub = tables[members]  # (S, W)
+                slots_of = lambda rows, pos, sub=sub: sub[rows, pos // bs] * bs + pos % bs  # noqa: E731
                 groups.append(build_group([starts[c] for c in members], [lengths[c] for c in members],
-                                          [offsets[c] for c in members],
-                                          lambda rows, pos, sub=sub: sub[rows, pos // bs] * bs + pos % bs, dev))  # fmt: skip
+                                          [offsets[c] for c in members], slots_of, dev))  # fmt: skip
         num_pairs = sum(n * s + n * (n + 1) // 2 for s, n in zip(starts, lengths, strict=True))
         padded = sum(int(g.q_index.numel()) * int(g.kv_slots.shape[1]) for g in groups)
         meta = StepMetadata(slot_mapping, tuple(groups), num_pairs, padded)

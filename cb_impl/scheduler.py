@@ -120,7 +120,8 @@ class Scheduler:
             self.running.append(head)
             while self.enable_prefix_sharing and head.num_completion_tokens == 0 and self.waiting:
                 nxt = self.waiting[0]
-                if len(self.running) >= self.max_num_seqs or nxt.num_completion_tokens or nxt.token_ids != head.token_ids:
+                same_prompt = nxt.num_completion_tokens == 0 and nxt.token_ids == head.token_ids
+                if len(self.running) >= self.max_num_seqs or not same_prompt:
                     break
                 self.waiting.popleft()
                 nxt.status, nxt.parent = SequenceStatus.RUNNING, head

@@ -2,7 +2,7 @@
 
 Invariants, for a sequence ``s``:
 
-- ``s.token_ids == prompt + completion``; ``len(completion) <= max_new_tokens``; ``len(s.logprobs) == len(completion)``;
+- ``s.token_ids == prompt + completion``; ``len(s.logprobs) == len(completion) <= max_new_tokens``;
 - ``0 <= s.num_computed_tokens <= s.num_tokens``: the first ``num_computed_tokens`` tokens have their keys/values in
   the KV cache, in the blocks listed by ``s.block_table`` (position ``p`` lives in ``block_table[p // block_size]``);
 - a ``WAITING`` sequence holds no blocks and has ``num_computed_tokens == 0``;

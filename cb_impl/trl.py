@@ -1,0 +1,81 @@
+"""A TRL ``rollout_func`` backed by one persistent :class:`LLMEngine`: ``GRPOTrainer(rollout_func=...)``.
+
+TRL 1.16 calls ``rollout_func(prompts, trainer)`` with one entry per completion (its sampler already repeats each
+prompt ``num_generations`` times, back to back) and expects ``{"prompt_ids", "completion_ids", "logprobs"}``, one
+row per entry in order. Consecutive identical prompts form a GRPO group, which the engine prefills once and shares.
+
+The engine is built on the first call (from the trainer's model unless one was given) and kept for the whole run:
+it reads the weights live at every step, so optimizer updates are seen with no weight sync. ``logprobs`` are the
+sampler's processed log-probs (DESIGN §2). Seeds are a function of (base seed, training step, row), so a rerun with
+the same seeds reproduces the rollouts. Trainer options the engine cannot honour (repetition penalty) raise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from cb_impl.config import EngineConfig
+from cb_impl.engine import LLMEngine
+from reference.spec import MAX_SEED, RolloutRequest, SamplingParams
+
+RolloutFunc = Callable[[list, Any], dict[str, list]]
+
+
+def trainer_sampling(trainer: Any) -> SamplingParams:
+    """The trainer's generation options as :class:`SamplingParams` (``do_sample=False`` -> greedy)."""
+    penalty = getattr(trainer, "repetition_penalty", None)
+    if penalty not in (None, 1.0):
+        raise ValueError(f"cb_impl rollout_func cannot apply repetition_penalty={penalty}")
+    do_sample = getattr(getattr(trainer, "generation_config", None), "do_sample", True)
+    top_p = getattr(trainer, "top_p", None)
+    return SamplingParams(
+        temperature=float(trainer.temperature) if do_sample else 0.0,
+        top_k=int(getattr(trainer, "top_k", None) or 0),
+        top_p=float(top_p) if top_p is not None else 1.0,
+        min_p=float(getattr(trainer, "min_p", None) or 0.0),
+        max_new_tokens=int(trainer.max_completion_length),
+    )
+
+
+def row_seed(base_seed: int, step: int, row: int) -> int:
+    """A distinct, reproducible seed per (run seed, training step, row)."""
+    return (base_seed * 1_000_003 + step * 10_007 + row) % MAX_SEED
+
+
+def make_rollout_func(
+    model: torch.nn.Module | None = None,
+    tokenizer: Any = None,
+    *,
+    config: EngineConfig | None = None,
+    seed: int = 0,
+    engine: LLMEngine | None = None,
+) -> RolloutFunc:
+    """``rollout_func(prompts, trainer)`` for ``GRPOTrainer``. ``model``/``tokenizer`` default to the trainer's;
+    ``engine`` reuses an existing engine. The engine in use is exposed as ``rollout_func.engine``."""
+
+    def rollout_func(prompts: list, trainer: Any) -> dict[str, list]:
+        if rollout_func.engine is None:
+            target = model if model is not None else trainer.accelerator.unwrap_model(trainer.model)
+            rollout_func.engine = LLMEngine(target, config)
+        tok = tokenizer if tokenizer is not None else trainer.processing_class
+        sampling = trainer_sampling(trainer)
+        eos = tuple(int(t) for t in (getattr(trainer, "eos_token_ids", None) or [tok.eos_token_id]))
+        step = int(trainer.state.global_step)
+        requests = []
+        for i, prompt in enumerate(prompts):
+            if not isinstance(prompt, str):
+                raise ValueError(f"cb_impl rollout_func takes plain-text prompts, got {type(prompt).__name__}")
+            ids = tuple(tok(prompt)["input_ids"])
+            requests.append(RolloutRequest(f"step{step}-row{i}", ids, sampling, row_seed(seed, step, i), eos))
+        rollouts = rollout_func.engine.generate(requests)
+        return {
+            "prompt_ids": [list(r.prompt_ids) for r in rollouts],
+            "completion_ids": [list(r.completion_ids) for r in rollouts],
+            "logprobs": [list(r.logprobs) for r in rollouts],
+        }
+
+    rollout_func.engine = engine
+    return rollout_func

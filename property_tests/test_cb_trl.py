@@ -1,0 +1,93 @@
+"""cb_impl as TRL's ``rollout_func``: a few offline ``GRPOTrainer`` steps on the bundled Llama.
+
+The engine must be built once and stay alive across steps, and every step's rollouts must come from the weights
+as they are at that step (the engine reads them live, no sync): checked by regenerating a few rows with the
+reference oracle on the trainer's current model inside the rollout call and comparing tokens and log-probs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+import torch
+
+from cbverify.compare import compare_tokens
+from cbverify.models import resolve
+from cbverify.tolerances import FP32
+from reference import tasks
+from reference.generate import generate as reference_generate
+from reference.spec import Rollout, RolloutRequest
+
+pytestmark = pytest.mark.upstream
+
+
+def _weights_digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha1()
+    for p in model.parameters():
+        h.update(p.detach().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def test_cb_rollout_func_trains_grpo_for_a_few_steps_with_one_live_engine(llama, tmp_path):
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from cb_impl.config import EngineConfig
+    from cb_impl.trl import make_rollout_func, row_seed, trainer_sampling
+
+    torch.manual_seed(0)
+    model, tokenizer = llama
+    model = type(model).from_pretrained(resolve("tiny-llama-arith"), local_files_only=True)  # a copy we may train
+    problems = tasks.make_problems(8, seed=7)
+    dataset = Dataset.from_list([{"prompt": p.prompt} for p in problems])
+
+    def reward(completions, **_):  # digits written: varies within a group even for a random model (nonzero advantages)
+        return [float(sum(ch.isdigit() for ch in c)) for c in completions]
+
+    inner = make_rollout_func(config=EngineConfig(block_size=8, num_blocks=128, max_batch_tokens=128), seed=3)
+    calls: list[dict] = []
+
+    def rollout_func(prompts, trainer):
+        out = inner(prompts, trainer)
+        live = trainer.accelerator.unwrap_model(trainer.model)
+        engine = inner.engine
+        rows = (0, len(prompts) - 1)
+        requests = [RolloutRequest(f"check{i}", tuple(out["prompt_ids"][i]), trainer_sampling(trainer),
+                                   row_seed(3, int(trainer.state.global_step), i), tuple(trainer.eos_token_ids))
+                    for i in rows]  # fmt: skip
+        for i, request, ref in zip(rows, requests, reference_generate(live, requests), strict=True):
+            ours = Rollout(request.request_id, request.prompt_ids, tuple(out["completion_ids"][i]),
+                           tuple(out["logprobs"][i]), ref.finish_reason)  # fmt: skip
+            divergence = compare_tokens(live, request, ref, ours, engine="cb_impl", tier=FP32)
+            assert divergence is None or divergence.accepted, divergence.describe()
+            common = min(len(ref.logprobs), len(ours.logprobs))
+            diffs = [abs(a - b) for a, b in zip(ref.logprobs[:common], ours.logprobs[:common], strict=True)]
+            assert max(diffs, default=0.0) <= FP32.logprob_max_abs, diffs
+        calls.append(dict(engine=id(engine), engine_model=engine.model is live, digest=_weights_digest(live),
+                          rows=len(prompts), groups=len(set(prompts)), step=trainer.state.global_step,
+                          attn=live.config._attn_implementation, training=live.training))  # fmt: skip
+        return out
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=12,
+        max_steps=3, learning_rate=5e-3, beta=0.0, report_to="none", use_cpu=True, logging_steps=1,
+        save_strategy="no", temperature=1.0, seed=0, dataloader_num_workers=0, bf16=False,
+    )  # fmt: skip
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
+                          processing_class=tokenizer, rollout_func=rollout_func)  # fmt: skip
+    original_attn = model.config._attn_implementation
+    trainer.train()
+
+    assert len(calls) >= 3, calls
+    assert len({c["engine"] for c in calls}) == 1, "the engine must be built once and reused across steps"
+    assert all(c["engine_model"] for c in calls), "the engine must drive the trainer's own model object"
+    assert len({c["digest"] for c in calls}) == len(calls), "weights did not change between rollout calls"
+    assert all(c["rows"] == 4 and c["groups"] == 1 for c in calls), calls  # one prompt x num_generations rows
+    assert all(c["attn"] == original_attn for c in calls), "the model's attention implementation was not restored"
+    assert inner.engine.stats["num_shared_prefills"] > 0, inner.engine.stats
+    assert model.config._attn_implementation == original_attn
+    assert not inner.engine.has_unfinished()
+
