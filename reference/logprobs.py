@@ -24,11 +24,13 @@ from reference.generate import process_logits
 from reference.spec import SamplingParams
 
 
-@torch.no_grad()
-def completion_logits(model, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> torch.Tensor:
+def completion_logits(
+    model, prompt_ids: Sequence[int], completion_ids: Sequence[int], *, grad: bool = False
+) -> torch.Tensor:
     """(L, V) float32 raw logits; row ``i`` is the model's prediction for ``completion_ids[i]``.
 
-    An empty completion gives a (0, V) tensor without running the model.
+    An empty completion gives a (0, V) tensor without running the model. ``grad=True`` keeps the autograd graph (the
+    training loop differentiates through it); by default no graph is built.
     """
     prompt, completion = list(prompt_ids), list(completion_ids)
     if not prompt:
@@ -38,7 +40,8 @@ def completion_logits(model, prompt_ids: Sequence[int], completion_ids: Sequence
     if not completion:
         return torch.zeros((0, vocab_size), dtype=torch.float32, device=device)
     input_ids = torch.tensor([prompt + completion], dtype=torch.long, device=device)  # (1, P + L)
-    logits = model(input_ids=input_ids).logits[0].to(torch.float32)  # (P + L, V)
+    with torch.set_grad_enabled(grad):
+        logits = model(input_ids=input_ids).logits[0].to(torch.float32)  # (P + L, V)
     first = len(prompt) - 1
     return logits[first : first + len(completion)]  # (L, V)
 
@@ -54,15 +57,18 @@ def per_token_logps(
     prompt_ids_list: Sequence[Sequence[int]],
     completion_ids_list: Sequence[Sequence[int]],
     temperature: float = 1.0,
+    *,
+    grad: bool = False,
 ) -> list[torch.Tensor]:
     """Trainer-side log-probs (TRL semantics): for each pair a float32 (L_i,) tensor of
-    ``log_softmax(logits / temperature)[completion_ids[i]]`` over the full vocabulary."""
+    ``log_softmax(logits / temperature)[completion_ids[i]]`` over the full vocabulary.
+    ``grad=True`` returns differentiable tensors (for the training loop)."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 for trainer log-probs (TRL divides by it), got {temperature}")
     _check_pairs(prompt_ids_list, completion_ids_list)
     out: list[torch.Tensor] = []
     for prompt, completion in zip(prompt_ids_list, completion_ids_list, strict=True):
-        logits = completion_logits(model, prompt, completion)  # (L, V)
+        logits = completion_logits(model, prompt, completion, grad=grad)  # (L, V)
         logps = torch.log_softmax(logits / temperature, dim=-1)  # (L, V)
         targets = torch.tensor(list(completion), dtype=torch.long, device=logits.device)  # (L,)
         out.append(logps[torch.arange(len(targets), device=logits.device), targets])  # (L,)
