@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -81,6 +82,20 @@ def _cut(tokens: list[int], request: RolloutRequest) -> tuple[list[int], str]:
     return tokens, "length"
 
 
+@contextmanager
+def no_default_eos(model, config):
+    """generate() fills every ``None`` of the passed config from ``model.generation_config`` (transformers 5.24
+    ``_prepare_generation_config``), so ``eos_token_id=None`` alone does not disable EOS: clear the model default
+    for the call when the requests have no EOS, and restore it afterwards (also on error)."""
+    saved = model.generation_config.eos_token_id
+    if config.eos_token_id is None:
+        model.generation_config.eos_token_id = None
+    try:
+        yield
+    finally:
+        model.generation_config.eos_token_id = saved
+
+
 def run_generate(model, requests: list[RolloutRequest], opts: EngineOptions) -> EngineRun:
     from transformers import LogitsProcessor, LogitsProcessorList
 
@@ -104,7 +119,7 @@ def run_generate(model, requests: list[RolloutRequest], opts: EngineOptions) -> 
         requests, max(r.sampling.max_new_tokens for r in requests), opts.pad_token_id, return_dict_in_generate=True
     )
     first = FirstCall()
-    with count_forwards(model, opts.device, time_forwards=opts.time_forwards) as fw, torch.no_grad():
+    with no_default_eos(model, config), count_forwards(model, opts.device, time_forwards=opts.time_forwards) as fw:
         start = clock(opts.device)
         out = model.generate(
             input_ids=ids, attention_mask=mask, generation_config=config, logits_processor=LogitsProcessorList([first])

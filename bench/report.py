@@ -142,7 +142,7 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
                 ax.legend(fontsize=8)
         fig.text(0.01, 0.005, footer, fontsize=6, color="gray")
         fig.tight_layout(rect=(0, 0.03, 1, 1))
-        fig.savefig(out_dir / name, dpi=110)
+        fig.savefig(out_dir / name, dpi=110, metadata={"Description": footer})
         plt.close(fig)
         paths.append(out_dir / name)
     return paths

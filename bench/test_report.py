@@ -1,0 +1,93 @@
+"""Checks, ratios, targets and the written report, on synthetic suite records (default run; no model, no timing)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from PIL import Image
+
+from bench import report
+from bench.suite import SuiteConfig, check_case, evaluate_targets, ratios, token_agreement
+from bench.workloads import make_requests, make_workload
+
+ENV = {"torch": "T", "transformers": "X", "trl": "R", "python": "3", "cpu": "cpu", "cpu_count": 2,
+       "torch_threads": 2, "ram_gb": 8, "platform": "P", "device": "cpu"}  # fmt: skip
+MODEL = {"model": "m", "parameters": 1, "dtype": "float32", "attn_implementation": "sdpa", "vocab_size": 4096}
+
+
+def record(engine: str, n: int, tokens_per_s: float, kv: int, workload: str = "gsm8k-like") -> dict:
+    requests = make_requests(make_workload(workload, n), vocab_size=4096)
+    lengths = [r.sampling.max_new_tokens for r in requests]
+    return {"engine": engine, "workload": workload, "n": n, "tokens_per_s": tokens_per_s, "wall_s": 1.0,
+            "ttft_s": 0.1, "kv_reserved_bytes": kv, "peak_memory_mb": 100.0 + kv / 2**20, "wasted_share": 0.5,
+            "overhead_per_step_ms": 1.0, "steps": 10, "completion_lengths": lengths, "memory_kind": "peak RSS",
+            "finish_reasons": ["length"] * len(lengths), "model": MODEL, "env": ENV, "check_problems": []}  # fmt: skip
+
+
+def test_a_sound_case_passes_its_checks_and_a_short_or_miscounted_one_does_not():
+    config = SuiteConfig()
+    good = record("cb_impl", 8, 1.0, 1)
+    assert check_case(good, config) == []
+    short = good | {"completion_lengths": [good["completion_lengths"][0] - 1] + good["completion_lengths"][1:]}
+    assert any("expected" in p for p in check_case(short, config))
+    stopped = good | {"finish_reasons": ["stop"] + good["finish_reasons"][1:]}
+    assert check_case(stopped, config)
+    missing = good | {"completion_lengths": good["completion_lengths"][1:]}
+    assert "completions for" in check_case(missing, config)[0]
+    assert "engine error" in check_case({"error": "boom", "engine": "generate", "workload": "uniform", "n": 8},
+                                        config)[0]  # fmt: skip
+
+
+def test_natural_eos_cases_accept_stops_but_not_an_early_length_finish():
+    config = SuiteConfig()
+    case = record("generate", 2, 1.0, 1, workload="arith")
+    case |= {"completion_lengths": [5] * len(case["completion_lengths"]), "finish_reasons": ["stop"] * 8}
+    assert check_case(case, config) == []
+    case["finish_reasons"] = ["length"] + ["stop"] * 7
+    assert check_case(case, config), "a 'length' finish below the cap is a broken contract"
+
+
+def test_ratios_and_targets_compare_engines_of_the_same_workload_and_n():
+    records = [
+        record("generate", 64, 100.0, 1000),
+        record("transformers-cb", 64, 40.0, 2000),
+        record("cb_impl", 64, 200.0, 300),
+        record("generate", 8, 50.0, 100),
+        record("cb_impl", 8, 40.0, 50),
+    ]
+    rows = {(r["n"], r["engine"]): r for r in ratios(records)}
+    assert rows[(64, "cb_impl")]["throughput_vs_generate"] == pytest.approx(2.0)
+    assert rows[(64, "cb_impl")]["throughput_vs_transformers-cb"] == pytest.approx(5.0)
+    assert rows[(64, "cb_impl")]["kv_vs_generate"] == pytest.approx(0.3)
+    assert "throughput_vs_transformers-cb" not in rows[(8, "cb_impl")], "no peer at N=8: no ratio"
+    met = {t["target"].split(":")[1].strip(): t for t in evaluate_targets(records)}
+    assert [t["met"] for t in met.values()] == [True, True, True, False]
+    assert met["cb_impl tokens_per_s / generate >= 0.9"]["value"] == pytest.approx(0.8)
+
+
+def test_greedy_token_agreement_is_measured_against_cb_impl():
+    a = record("cb_impl", 2, 1.0, 1) | {"completions": [[1, 2], [3]] * 4}
+    b = record("generate", 2, 1.0, 1) | {"completions": [[1, 2], [3, 4]] * 4}
+    token_agreement([a, b])
+    assert b["tokens_equal_to_cb_impl"] == pytest.approx(0.5)
+    assert "tokens_equal_to_cb_impl" not in a
+
+
+def test_the_report_writes_json_markdown_and_plots_with_the_environment_in_each(tmp_path):
+    records = [record(e, n, 10.0 * n, 1000 * n) for n in (8, 32) for e in ("generate", "transformers-cb", "cb_impl")]
+    records.append({"engine": "cb_impl", "workload": "uniform", "n": 8, "error": "RuntimeError: boom",
+                    "check_problems": ["engine error: boom"]})  # fmt: skip
+    grpo = {"setup": "s", "rows": [{"path": "generate", "n": 8, "step_s": 2.0, "peak_memory_mb": 500.0},
+                                   {"path": "cb_impl", "n": 8, "step_s": 1.0, "peak_memory_mb": 450.0}]}  # fmt: skip
+    result = {"config": {}, "cases": records, "ratios": ratios(records), "targets": evaluate_targets(records),
+              "grpo": grpo}  # fmt: skip
+    paths = report.write(result, tmp_path)
+    assert {p.name for p in paths} == {"results.json", "results.md", "throughput.png", "memory.png"}
+    assert all(p.stat().st_size > 0 for p in paths)
+    md = (tmp_path / "results.md").read_text()
+    assert report.env_line(ENV) in md and "ERROR: RuntimeError: boom" in md
+    assert "| 8 | cb_impl | 1.00 | 2.00 | 450 | -50 |" in md, "GRPO speedup and memory delta vs generate()"
+    assert json.loads((tmp_path / "results.json").read_text())["env"] == ENV
+    with Image.open(tmp_path / "throughput.png") as png:
+        assert png.text["Description"] == report.env_line(ENV)
