@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cbverify.trl_scenario import TrainerScenario
+
 PASS, FAIL, NA = "PASS", "FAIL", "NOT-APPLICABLE"
 STATUSES = (PASS, FAIL, NA)
 
@@ -45,9 +47,13 @@ class Finding:
     applies: Callable[[object], bool]
     affected: str
     evidence: str
+    repro: TrainerScenario  # the smallest scenario that shows it (tests run it; it must keep failing)
+    architectures: tuple[str, ...] = ()  # config.model_type values it affects; () means every architecture
+    repro_model: str = "tiny-qwen2-random"  # the bundled model the repro runs on
 
-    def covers(self, result: CheckResult, scenario) -> bool:
-        return result.check in self.checks and self.path in ("*", result.path) and self.applies(scenario)
+    def covers(self, result: CheckResult, scenario, model_type: str) -> bool:
+        arch_ok = not self.architectures or model_type in self.architectures
+        return result.check in self.checks and self.path in ("*", result.path) and self.applies(scenario) and arch_ok
 
 
 PINNED = "transformers 5.24.0 + trl 1.16.0 (+ accelerate 1.15.0)"
@@ -57,12 +63,17 @@ FINDINGS: tuple[Finding, ...] = (
         id="cb-bf16-generation-crashes",
         checks=("mixed_precision_completes", "run_completes", "no_silent_request_failure", "completions_aligned"),
         path="cb",
-        when="bf16=True",
+        when="bf16=True, Llama",
         applies=lambda s: s.bf16,
         affected=PINNED,
-        evidence="every CB request FAILED: accelerate's mixed-precision forward wrapper calls .float() on the "
-        "PagedAttentionCache in the model output (\"'PagedAttentionCache' object has no attribute 'float'\"); "
-        "generate_batch only logs it and TRL then dies with IndexError in _generate (ids[-1] of an empty completion)",
+        evidence="every CB request FAILED: LlamaModel.forward returns the cache it is given whatever use_cache says "
+        "(Qwen2Model returns None with use_cache off, as CB calls it), and accelerate's mixed-precision forward "
+        "wrapper calls .float() on that PagedAttentionCache "
+        "(\"'PagedAttentionCache' object has no attribute 'float'\"); generate_batch only logs it and TRL then dies "
+        "with IndexError in _generate (ids[-1] of an empty completion)",
+        repro=TrainerScenario(path="cb", bf16=True),
+        architectures=("llama",),
+        repro_model="tiny-llama-arith",
     ),
     Finding(
         id="cb-bf16-casts-training-weights",
@@ -74,6 +85,7 @@ FINDINGS: tuple[Finding, ...] = (
         evidence="GRPOTrainer._generate_single_turn runs unwrapped_model.to(torch.bfloat16) before generate_batch "
         "and never casts back: all trained parameters float32 -> bfloat16 (the optimizer then updates bf16 "
         "weights); the probe forward after generation differs (max |diff| ~6e-3 on a random tiny Llama)",
+        repro=TrainerScenario(path="cb", bf16=True),
     ),
     Finding(
         id="cb-forces-train-mode",
@@ -85,6 +97,7 @@ FINDINGS: tuple[Finding, ...] = (
         evidence="GRPOTrainer._generate_single_turn calls unwrapped_model.train() after generate_batch whatever the "
         "mode was: generation during evaluate() leaves the model in train mode, and _compute_loss then takes the "
         "train branch and raises AttributeError: no attribute 'current_gradient_accumulation_steps'",
+        repro=TrainerScenario(path="cb", evaluate=True),
     ),
     Finding(
         id="cb-reseeds-global-rng",
@@ -96,6 +109,7 @@ FINDINGS: tuple[Finding, ...] = (
         evidence="ContinuousBatchingManager.__init__ -> DistributedHelper.set_tp_seed calls torch.manual_seed(...) "
         "on every generate_batch (with the config's seed, or one drawn from the global RNG): greedy generation, "
         "which samples nothing, still replaces the global torch RNG state",
+        repro=TrainerScenario(path="cb", greedy=True, loss_type="grpo", gradient_accumulation_steps=2),
     ),
     Finding(
         id="cb-discards-sampler-logprobs",
@@ -107,6 +121,7 @@ FINDINGS: tuple[Finding, ...] = (
         evidence="transformers returns one log-prob per generated token (GenerationOutput.logprobs) but "
         "GRPOTrainer._generate_single_turn sets logprobs = None on the CB path: no sampling_per_token_logps ever "
         "reaches the trainer",
+        repro=TrainerScenario(path="cb", top_k=3, is_correction=True, cb_return_logprobs=True),
     ),
     Finding(
         id="is-correction-silently-off-without-vllm",
@@ -118,6 +133,7 @@ FINDINGS: tuple[Finding, ...] = (
         evidence="the only IS-correction switch is gated on use_vllm in _generate_and_score_completions and "
         "_compute_loss: with generate(), CB or a rollout_func that returns log-probs, no importance_sampling_ratio "
         "is computed or applied and nothing warns",
+        repro=TrainerScenario(path="rollout_func", top_k=3, is_correction=True, rollout_backend="reference"),
     ),
     Finding(
         id="cb-drops-repetition-penalty",
@@ -129,14 +145,15 @@ FINDINGS: tuple[Finding, ...] = (
         evidence="ContinuousBatchingLogitsProcessorList drops RepetitionPenaltyLogitsProcessor "
         "(supports_continuous_batching=False, drop_unsupported_processors=True) with only a logger warning: "
         "greedy CB tokens are the argmax of the unpenalised logits",
+        repro=TrainerScenario(path="cb", greedy=True, repetition_penalty=1.5),
     ),
 )
 
 
-def expected_status(result: CheckResult, scenario) -> str | None:
+def expected_status(result: CheckResult, scenario, model_type: str) -> str | None:
     """The id of the finding that makes ``result`` an expected FAIL, or ``None`` (then FAIL is a real failure)."""
     for finding in FINDINGS:
-        if finding.covers(result, scenario):
+        if finding.covers(result, scenario, model_type):
             return finding.id
     return None
 

@@ -59,9 +59,11 @@ def check_scenario(scenario: TrainerScenario, model, tokenizer) -> list[CheckRes
     return results
 
 
-def judge(result: CheckResult, scenario: TrainerScenario) -> tuple[bool, str]:
-    """``(ok, label)``: label is PASS / NOT-APPLICABLE / XFAIL(<finding>) / FAIL / FIXED?(<finding>)."""
-    finding = expected_status(result, scenario)
+def judge(result: CheckResult, scenario: TrainerScenario, model_type: str) -> tuple[bool, str]:
+    """``(ok, label)``: label is PASS / NOT-APPLICABLE / XFAIL(<finding>) / FAIL / FIXED?(<finding>).
+
+    ``model_type`` is the model's ``config.model_type`` (some findings affect one architecture only)."""
+    finding = expected_status(result, scenario, model_type)
     if result.status == FAIL:
         return (True, f"XFAIL({finding})") if finding else (False, "FAIL")
     if finding and result.status != NA:

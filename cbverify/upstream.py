@@ -1,0 +1,116 @@
+"""``cbverify upstream``: the findings registry, and (with ``--run``) every upstream invariant on the installed stack.
+
+Without flags it prints :data:`cbverify.findings.FINDINGS` (id, path, checks, condition, affected versions,
+evidence). ``--run`` drives TRL's trainers through :data:`cbverify.trl_suite.DEFAULT_SCENARIOS` with a progress bar
+and prints one line per (scenario, check): PASS / NOT-APPLICABLE / XFAIL(<finding>) are fine; FAIL (not covered by
+a finding) and FIXED?(<finding>) (a finding that stopped reproducing) make the exit code 1. ``--json`` writes the
+results for ``cbverify matrix``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run", action="store_true", help="run the upstream checks (default: only list findings)")
+    parser.add_argument("--model", default="tiny-llama-arith", help="bundled model name or local checkpoint path")
+    parser.add_argument(
+        "--random-model",
+        action="store_true",
+        help="use a seeded random-weight tiny Llama instead of --model (when the bundled checkpoints are absent)",
+    )
+    parser.add_argument("--path", choices=("generate", "cb", "rollout_func"), help="only scenarios on this path")
+    parser.add_argument("--json", type=Path, help="write the results (and versions) to this JSON file")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar, print only the summary table")
+
+
+def findings_table() -> str:
+    from cbverify.findings import FINDINGS
+
+    lines = [f"{len(FINDINGS)} upstream findings (each asserted to still reproduce by the upstream tests):", ""]
+    for f in FINDINGS:
+        lines.append(f"[{f.id}]  path={f.path}  when: {f.when}")
+        lines.append(f"    checks:   {', '.join(f.checks)}")
+        lines.append(f"    affected: {f.affected}")
+        lines += textwrap.wrap(f.evidence, 116, initial_indent="    evidence: ", subsequent_indent="              ")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def load_model(args: argparse.Namespace):
+    """``(model, tokenizer)``: the requested checkpoint, or with ``--random-model`` a seeded random tiny Llama."""
+    import torch
+
+    if args.random_model:
+        from transformers import LlamaForCausalLM
+
+        from golden.build_models import build_tokenizer, llama_config
+
+        torch.manual_seed(0)
+        return LlamaForCausalLM(llama_config()).eval(), build_tokenizer()
+    from cbverify.models import load
+
+    return load(args.model)
+
+
+def results_payload(rows, elapsed: float, model_name: str, model_type: str) -> dict:
+    from cbverify.trl_paths import versions
+    from cbverify.trl_suite import judge
+
+    out = []
+    for scenario, result in rows:
+        ok, label = (
+            judge(result, scenario, model_type) if scenario is not None else (result.status != "FAIL", result.status)
+        )
+        out.append({"check": result.check, "path": result.path, "status": result.status, "label": label, "ok": ok,
+                    "scenario": result.scenario, "reason": result.reason})  # fmt: skip
+    return {"versions": versions(), "model": model_name, "elapsed_s": round(elapsed, 1), "results": out}
+
+
+def summary_table(payload: dict) -> str:
+    lines = [" ".join(f"{k} {v}" for k, v in payload["versions"].items()) + f" | model {payload['model']}", ""]
+    width = max(len(r["check"]) for r in payload["results"])
+    for r in payload["results"]:
+        mark = "  " if r["ok"] else "!!"
+        lines.append(f"{mark} {r['path']:<12} {r['check']:<{width}} {r['label']:<46} {r['reason'][:110]}")
+        lines.append(f"{'':3}{'':12} {'':{width}} scenario: {r['scenario']}")
+    bad = [r for r in payload["results"] if not r["ok"]]
+    lines.append("")
+    counts: dict[str, int] = {}
+    for r in payload["results"]:
+        key = r["label"].split("(")[0]
+        counts[key] = counts.get(key, 0) + 1
+    lines.append(f"{len(payload['results'])} results in {payload['elapsed_s']} s: "
+                 + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) + f"; {len(bad)} unexpected")  # fmt: skip
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    print(findings_table())
+    if not args.run:
+        return 0
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    from cbverify.trl_suite import DEFAULT_SCENARIOS, run_suite
+
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    model, tokenizer = load_model(args)
+    scenarios = [s for s in DEFAULT_SCENARIOS if args.path in (None, s.path)]
+    start = time.perf_counter()
+    rows = run_suite(model, tokenizer, scenarios, progress=not args.quiet)
+    name = "random-llama" if args.random_model else args.model
+    payload = results_payload(rows, time.perf_counter() - start, name, model.config.model_type)
+    print(summary_table(payload))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(payload, indent=2))
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0 if all(r["ok"] for r in payload["results"]) else 1
