@@ -107,6 +107,15 @@ class LossOutput:
     ratio: torch.Tensor  # (B, T) token level, (B, 1) sequence level; the policy ratio exp(log-ratio)
 
 
+def k3_kl(per_token_logps: torch.Tensor, ref_per_token_logps: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(policy || ref): ``exp(d) - d - 1`` with ``d = ref - logp``; >= 0, 0 iff equal.
+
+    Written ``expm1(d) - d`` (same value; keeps small nonzero ``d`` strictly positive instead of rounding to 0).
+    """
+    d = ref_per_token_logps - per_token_logps
+    return torch.expm1(d) - d
+
+
 def importance_weights(old_per_token_logps, sampling_per_token_logps, completion_mask, config: LossConfig):
     """IS correction weights, (B, T) for token modes or (B, 1) for sequence modes (step 4 of the module docstring)."""
     diff = (old_per_token_logps - sampling_per_token_logps) * completion_mask  # (B, T)
@@ -155,8 +164,7 @@ def grpo_loss(
     if config.beta != 0.0:
         if ref_per_token_logps is None:
             raise ValueError("beta != 0 needs ref_per_token_logps")
-        log_ref_over_policy = ref_per_token_logps - per_token_logps  # (B, T)
-        kl_per_token = torch.exp(log_ref_over_policy) - log_ref_over_policy - 1
+        kl_per_token = k3_kl(per_token_logps, ref_per_token_logps)  # (B, T)
         if config.use_bias_correction_kl:
             kl_per_token = kl_per_token * ratio
 

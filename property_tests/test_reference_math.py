@@ -1,0 +1,175 @@
+"""Properties of the reference GRPO math (issue 3, point 8): each follows from the definitions, not from TRL.
+
+Expected values are computed independently: REINFORCE gradients and IS weights by plain Python loops over tokens,
+the trust region from its definition.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from property_tests.strategies import grpo_batches, loss_configs
+from reference.advantages import compute_advantages
+from reference.loss import LossConfig, grpo_loss, importance_weights, k3_kl
+
+
+def _grad(batch: dict, advantages: torch.Tensor, config: LossConfig, *, old: torch.Tensor | None) -> torch.Tensor:
+    per = batch["per_token_logps"].clone().requires_grad_(True)
+    out = grpo_loss(per, old, batch["ref_per_token_logps"], batch["sampling_per_token_logps"], advantages,
+                    batch["completion_mask"], config)  # fmt: skip
+    (grad,) = torch.autograd.grad(out.loss, per)
+    return grad
+
+
+def _advantages(batch: dict) -> torch.Tensor:
+    return compute_advantages(batch["rewards"], batch["num_generations"], "group")
+
+
+@given(batch=grpo_batches(), config=loss_configs(is_correction=False))
+def test_on_policy_ratio_is_exactly_one_and_the_gradient_is_reinforce(batch, config):
+    config = dataclasses.replace(config, beta=0.0)
+    per, mask = batch["per_token_logps"], batch["completion_mask"]
+    advantages = _advantages(batch)
+    out = grpo_loss(per, None, None, None, advantages, mask, config)
+    assert torch.equal(out.ratio, torch.ones_like(out.ratio))
+    grad = _grad(batch, advantages, config, old=None)
+
+    num_seqs, width = mask.shape
+    total = int(mask.sum())
+    cap = min(1.0, config.epsilon_high) if config.loss_type == "cispo" else 1.0  # CISPO's stop-gradient weight
+    for i in range(num_seqs):
+        count = int(mask[i].sum())
+        for t in range(width):
+            # d/dlogp of the REINFORCE surrogate -A * logp under each documented normaliser
+            normaliser = {"grpo": num_seqs * count, "bnpo": total, "dapo": total, "cispo": total,
+                          "dr_grpo": num_seqs * (config.max_completion_length or 0)}[config.loss_type]  # fmt: skip
+            expected = -cap * float(advantages[i]) / normaliser if mask[i, t] else 0.0
+            assert math.isclose(float(grad[i, t]), expected, rel_tol=1e-9, abs_tol=1e-15), (i, t)
+
+
+@given(batch=grpo_batches(max_log_ratio=1.5), config=loss_configs(loss_types=("grpo", "bnpo", "dr_grpo", "dapo")))
+def test_clipping_zeroes_the_gradient_exactly_outside_the_trust_region_on_the_advantage_side(batch, config):
+    config = dataclasses.replace(config, beta=0.0, is_correction=None, importance_sampling_level="token")
+    per, old, mask = batch["per_token_logps"], batch["old_per_token_logps"], batch["completion_mask"]
+    advantages = _advantages(batch)
+    grad = _grad(batch, advantages, config, old=old)
+    for i, t in zip(*torch.nonzero(mask, as_tuple=True), strict=True):
+        ratio, adv = math.exp(float(per[i, t] - old[i, t])), float(advantages[i])
+        bounds = [1 - config.epsilon_low, 1 + config.epsilon_high] + ([config.delta] if config.delta else [])
+        assume(all(abs(ratio - b) > 1e-9 for b in bounds))  # exactly on a boundary the subgradient is a convention
+        outside = (
+            adv == 0.0
+            or (adv > 0 and ratio > 1 + config.epsilon_high)
+            or (adv < 0 and ratio < 1 - config.epsilon_low)
+            or (adv < 0 and config.delta is not None and ratio > config.delta)  # two-sided clipping
+        )
+        assert (float(grad[i, t]) == 0.0) == outside, (int(i), int(t), ratio, adv)
+
+
+@given(batch=grpo_batches(), config=loss_configs(is_correction=True))
+def test_truncate_modes_bound_the_weights_and_mask_modes_zero_them(batch, config):
+    old, sampling, mask = batch["old_per_token_logps"], batch["sampling_per_token_logps"], batch["completion_mask"]
+    weights = importance_weights(old, sampling, mask, config)
+    lo = -math.inf if config.is_clip_min is None else config.is_clip_min
+    hi = math.inf if config.is_clip_max is None else config.is_clip_max
+    sequence = config.is_correction.startswith("sequence")
+    for i in range(mask.shape[0]):
+        # the raw weight by hand: real tokens with a sampler log-prob count; the product for sequence modes
+        diffs = [float(old[i, t] - sampling[i, t]) for t in range(mask.shape[1]) if mask[i, t]]
+        diffs = [0.0 if math.isnan(d) else d for d in diffs]
+        raws = [math.exp(math.fsum(diffs))] if sequence else [math.exp(d) for d in diffs]
+        got = weights[i].tolist() if sequence else [float(weights[i, t]) for t in range(len(diffs))]
+        for raw, w in zip(raws, got, strict=True):
+            if config.is_correction.endswith("truncate"):
+                assert lo <= w <= hi
+                assert math.isclose(w, min(max(raw, lo), hi), rel_tol=1e-9)
+            elif lo <= raw <= hi:
+                assert math.isclose(w, raw, rel_tol=1e-9)
+            else:
+                assert w == 0.0
+
+
+@given(
+    policy=st.lists(st.floats(-30.0, 0.0), min_size=1, max_size=50),
+    shift=st.lists(st.just(0.0) | st.floats(1e-6, 5.0) | st.floats(-5.0, -1e-6), min_size=50, max_size=50),
+)
+def test_k3_is_nonnegative_and_zero_exactly_where_the_log_probs_are_equal(policy, shift):
+    # nonzero differences are drawn >= 1e-6 in size: below ~1e-8, float64 cannot resolve exp(d) - d - 1 from 0
+    per = torch.tensor(policy, dtype=torch.float64)
+    ref = per + torch.tensor(shift[: len(policy)], dtype=torch.float64)
+    kl = k3_kl(per, ref)
+    assert (kl >= 0).all()
+    assert torch.equal(kl == 0, ref == per)
+
+
+@given(batch=grpo_batches(), scale=st.sampled_from(["group", "batch", "none"]))
+def test_advantages_have_zero_mean_over_each_groups_scorable_rewards(batch, scale):
+    rewards, n = batch["rewards"], batch["num_generations"]
+    advantages = compute_advantages(rewards, n, scale)
+    for start in range(0, len(rewards), n):
+        scorable = ~torch.isnan(rewards[start : start + n])
+        assert (advantages[start : start + n][~scorable] == 0).all()  # unscorable completions are not pushed
+        assert abs(float(advantages[start : start + n][scorable].sum())) < 1e-9
+
+
+@given(batch=grpo_batches(), scale=st.sampled_from(["group", "none"]), data=st.data())
+def test_advantages_ignore_a_per_group_constant_and_batch_scaling_a_global_one(batch, scale, data):
+    rewards, n = batch["rewards"], batch["num_generations"]
+    num_groups = len(rewards) // n
+    offsets = data.draw(st.lists(st.sampled_from([-2.0, -0.5, 0.25, 1.0, 3.0]), min_size=num_groups,
+                                 max_size=num_groups))  # fmt: skip
+    shifted = rewards + torch.tensor(offsets, dtype=torch.float64).repeat_interleave(n)
+    torch.testing.assert_close(compute_advantages(shifted, n, scale), compute_advantages(rewards, n, scale),
+                               rtol=1e-7, atol=1e-7)  # fmt: skip
+    shifted_all = rewards + offsets[0]
+    torch.testing.assert_close(compute_advantages(shifted_all, n, "batch"), compute_advantages(rewards, n, "batch"),
+                               rtol=1e-7, atol=1e-7)  # fmt: skip
+
+
+@given(batch=grpo_batches(nan_rewards=False), config=loss_configs(), data=st.data())
+def test_constant_reward_groups_contribute_no_policy_gradient(batch, config, data):
+    config = dataclasses.replace(config, beta=0.0)
+    rewards, n = batch["rewards"].clone(), batch["num_generations"]
+    group = data.draw(st.integers(0, len(rewards) // n - 1))
+    rewards[group * n : (group + 1) * n] = data.draw(st.sampled_from([0.0, 1.0, 0.7]))
+    advantages = compute_advantages(rewards, n, data.draw(st.sampled_from(["group", "batch", "none"])))
+    grad = _grad(batch, advantages, config, old=batch["old_per_token_logps"])
+    assert (grad[group * n : (group + 1) * n] == 0).all()
+
+
+@given(batch=grpo_batches(), config=loss_configs(), junk=st.floats(-5.0, 0.0))
+def test_normalisers_behave_as_documented(batch, config, junk):
+    per, old, ref = batch["per_token_logps"], batch["old_per_token_logps"], batch["ref_per_token_logps"]
+    sampling, mask, advantages = batch["sampling_per_token_logps"], batch["completion_mask"], _advantages(batch)
+    base = grpo_loss(per, old, ref, sampling, advantages, mask, config).loss
+
+    # 1. extra padding columns (junk values, mask 0) change nothing
+    def pad(x: torch.Tensor, value: float) -> torch.Tensor:
+        return torch.nn.functional.pad(x, (0, 2), value=value)
+
+    padded = grpo_loss(pad(per, junk), pad(old, junk), pad(ref, junk), pad(sampling, junk), advantages,
+                       pad(mask, 0), config).loss  # fmt: skip
+    torch.testing.assert_close(padded, base, rtol=1e-12, atol=1e-15)
+
+    # 2. an extra empty sequence: per-sequence normalisers (grpo, dr_grpo) scale by B/(B+1), token ones do not
+    def row(x: torch.Tensor, value: float) -> torch.Tensor:
+        return torch.cat([x, torch.full_like(x[:1], value)])
+
+    extended = grpo_loss(row(per, junk), row(old, junk), row(ref, junk), row(sampling, junk),
+                         torch.cat([advantages, advantages[:1]]), row(mask, 0), config).loss  # fmt: skip
+    num_seqs = mask.shape[0]
+    factor = num_seqs / (num_seqs + 1) if config.loss_type in ("grpo", "dr_grpo") else 1.0
+    torch.testing.assert_close(extended, base * factor, rtol=1e-12, atol=1e-15)
+
+    # 3. when every sequence has the same length, grpo, bnpo and dapo agree
+    if config.loss_type in ("grpo", "bnpo", "dapo"):
+        full = torch.ones_like(mask)
+        same = [grpo_loss(per, old, ref, sampling, advantages, full, dataclasses.replace(config, loss_type=kind)).loss
+                for kind in ("grpo", "bnpo", "dapo")]  # fmt: skip
+        torch.testing.assert_close(same[0], same[1], rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(same[1], same[2], rtol=1e-12, atol=1e-15)
