@@ -1,0 +1,116 @@
+"""Test-only faulty engines: each carries one realistic bug, so the meta-tests can show the suite catches it.
+
+Every class follows the Engine protocol and claims the reference's capabilities (the lie is the point). Bugs:
+
+- :class:`ShiftedLogprobs` — returned log-probs shifted by one position (an off-by-one in the log-prob gather).
+- :class:`SharedRNG` — one noise stream for the whole batch: every request is sampled with the first one's seed.
+- :class:`DroppedLastToken` — the last generated token (and its log-prob) is lost when completing a request.
+- :class:`TopKAfterTopP` — processors in the wrong order: top-p, then top-k (spec: top-k, then top-p).
+- :class:`CompletionOrder` — results returned in the order requests finished (shortest completion first).
+- :class:`WrongTemperature` — an own-RNG sampler that ignores the requested temperature (samples at T=1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+
+from cbverify.engines import Capabilities
+from cbverify.engines.reference_engine import ReferenceEngine
+from reference import generate as ref_gen
+from reference.spec import Rollout, RolloutRequest, SamplingParams, gumbel_noise
+
+
+class _Faulty:
+    capabilities: Capabilities = ReferenceEngine.capabilities
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.name = f"faulty:{type(self).__name__}"
+
+    def generate(self, requests: Sequence[RolloutRequest]) -> list[Rollout]:
+        return ref_gen.generate(self.model, list(requests))
+
+
+class ShiftedLogprobs(_Faulty):
+    def generate(self, requests):
+        out = super().generate(requests)
+        return [replace(r, logprobs=(*r.logprobs[1:], r.logprobs[-1])) for r in out]
+
+
+class SharedRNG(_Faulty):
+    def generate(self, requests):
+        shared = requests[0].seed
+        out = super().generate([replace(r, seed=shared) for r in requests])
+        return out
+
+
+class DroppedLastToken(_Faulty):
+    def generate(self, requests):
+        out = super().generate(requests)
+        return [
+            replace(r, completion_ids=r.completion_ids[:-1], logprobs=r.logprobs[:-1]) if len(r.completion_ids) > 1
+            else r
+            for r in out
+        ]  # fmt: skip
+
+
+class CompletionOrder(_Faulty):
+    def generate(self, requests):
+        out = super().generate(requests)
+        return sorted(out, key=lambda r: len(r.completion_ids))  # stable: equal lengths keep request order
+
+
+def _top_k_after_top_p(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """``reference.generate.process_logits`` with the top-k and top-p steps swapped (the bug)."""
+    if sampling.greedy:
+        return torch.log_softmax(logits.float(), dim=-1)
+    scores = ref_gen.apply_temperature(logits.float(), sampling.temperature)
+    scores = ref_gen.apply_top_p(scores, sampling.top_p)
+    scores = ref_gen.apply_top_k(scores, sampling.top_k)
+    scores = ref_gen.apply_min_p(scores, sampling.min_p)
+    return torch.log_softmax(scores, dim=-1)
+
+
+class TopKAfterTopP(_Faulty):
+    def generate(self, requests):
+        return [self._one(r) for r in requests]
+
+    def _one(self, request: RolloutRequest) -> Rollout:
+        prefix, completion, logprobs, reason = list(request.prompt_ids), [], [], "length"
+        for position in range(request.sampling.max_new_tokens):
+            logits = ref_gen.next_token_logits(self.model, prefix)  # (V,)
+            processed = _top_k_after_top_p(logits, request.sampling)  # (V,)
+            if request.sampling.greedy:
+                token = int(torch.argmax(logits))
+            else:
+                noise = gumbel_noise(torch.tensor([request.seed]), torch.tensor([position]), logits.numel())[0]
+                token = int(torch.argmax(processed.double() + noise))
+            prefix.append(token)
+            completion.append(token)
+            logprobs.append(float(processed[token]))
+            if token in request.eos_token_ids:
+                reason = "stop"
+                break
+        return Rollout(request.request_id, request.prompt_ids, tuple(completion), tuple(logprobs), reason)
+
+
+class WrongTemperature(_Faulty):
+    """Own RNG (fresh seeds from a torch generator), temperature ignored: always samples at T=1."""
+
+    capabilities = replace(ReferenceEngine.capabilities, spec_sampling=False, claims_batch_invariance=False)
+
+    def __init__(self, model, seed: int = 0) -> None:
+        super().__init__(model)
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def generate(self, requests):
+        fixed = []
+        for r in requests:
+            s = r.sampling if r.sampling.greedy else replace(r.sampling, temperature=1.0)
+            seed = int(torch.randint(0, 2**62, (1,), generator=self.rng))
+            fixed.append(replace(r, sampling=s, seed=seed))
+        out = super().generate(fixed)
+        return out
