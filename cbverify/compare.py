@@ -7,7 +7,7 @@
 - :func:`teacher_forced_logprobs` / :func:`logprob_diffs` — the engine's returned log-probs against the reference's
   teacher-forced log-probs *of the engine's own tokens* (so RNG engines are checked too), in the semantics the
   engine declares.
-- :func:`mismatch` — DESIGN §5 metrics via ``reference.loss.mismatch_metrics`` (one source of truth).
+- :func:`mismatch` — DESIGN §5 metrics via ``reference.metrics.mismatch_metrics`` (one source of truth).
 
 Tokens are comparable when both sides follow the spec: greedy requests always, sampled ones only for engines that
 declare ``spec_sampling`` (:func:`tokens_comparable`).
@@ -24,6 +24,7 @@ from cbverify.engines import Capabilities, LogprobSemantics
 from cbverify.tolerances import Tier
 from reference import logprobs as ref_logprobs
 from reference.generate import process_logits
+from reference.metrics import mismatch_metrics
 from reference.spec import Rollout, RolloutRequest, gumbel_noise
 
 
@@ -196,14 +197,9 @@ def logprob_diffs(rollouts: Sequence[Rollout], expected: Sequence[torch.Tensor])
 def mismatch(model, requests: Sequence[RolloutRequest], rollouts: Sequence[Rollout]) -> dict[str, float]:
     """DESIGN §5 metrics of the engine's (sampler) log-probs against trainer-side log-probs of the same tokens
     (TRL semantics: ``log_softmax(logits / T)``, T = the request's temperature, 1 for greedy)."""
-    from reference.loss import mismatch_metrics
-
     trainer, sampler = [], []
     for request, rollout in zip(requests, rollouts, strict=True):
         temperature = request.sampling.temperature if not request.sampling.greedy else 1.0
         trainer += ref_logprobs.per_token_logps(model, [request.prompt_ids], [rollout.completion_ids], temperature)
-        sampler.append(torch.tensor(rollout.logprobs, dtype=torch.float32))
-    width = max(1, max(len(s) for s in sampler))
-    pad = lambda rows: torch.stack([torch.nn.functional.pad(r.float().cpu(), (0, width - len(r))) for r in rows])  # noqa: E731
-    mask = pad([torch.ones(len(s)) for s in sampler])  # (B, T)
-    return {k: float(v) for k, v in mismatch_metrics(pad(trainer), pad(sampler), mask).items()}
+        sampler.append(torch.tensor(rollout.logprobs, dtype=torch.float64))  # (L_i,)
+    return mismatch_metrics(trainer, sampler)

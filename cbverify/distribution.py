@@ -5,9 +5,10 @@ draws from the engine's RNG). At every completion position ``j`` the copies are 
 ``completion[:j]``; each prefix seen at least ``min_count`` times is a *node*, and the next tokens observed at a node
 are an i.i.d. sample from the engine's conditional distribution there. That is compared with the reference's
 processed distribution (``reference.generate.process_logits`` on the teacher-forced logits after that prefix) by a
-chi-square goodness-of-fit test (``scipy.stats.chisquare``; tokens expected fewer than 5 times are pooled into one
-bin so the chi-square approximation holds). A token the reference gives probability 0 (outside the processed
-support: cut by top-k / top-p / min-p) observed even once makes the node's p-value 0.
+chi-square goodness-of-fit test (``scipy.stats.chisquare``; rare tokens are pooled with their neighbours in
+probability so every bin expects >= 5 counts and the chi-square approximation holds). A token the reference gives
+probability 0 (outside the processed support: cut by top-k / top-p / min-p) observed even once makes the node's
+p-value 0.
 
 False alarms. All node p-values of one call (every position, prefix and request) form one family, corrected with
 Holm-Bonferroni: the probability that a *correct* engine fails one call is <= ``alpha`` (default 1e-3) whatever the
@@ -83,21 +84,20 @@ def chi_square_node(observed: Counter, probs: torch.Tensor) -> tuple[float, int,
     outside = [t for t in observed if expected[t] == 0]
     if outside:
         return 0.0, outside[0], observed[outside[0]], 0.0
-    big = [t for t in range(len(expected)) if expected[t] >= MIN_EXPECTED]
-    small = [t for t in range(len(expected)) if 0 < expected[t] < MIN_EXPECTED]
-    f_obs = [float(observed.get(t, 0)) for t in big]
-    f_exp = [float(expected[t]) for t in big]
-    if small:
-        pooled_obs, pooled_exp = float(sum(observed.get(t, 0) for t in small)), float(expected[small].sum())
-        if pooled_exp >= MIN_EXPECTED or not f_exp:
-            f_obs.append(pooled_obs)
-            f_exp.append(pooled_exp)
-        else:  # too little mass to stand alone: merge it into the smallest kept bin
-            j = min(range(len(f_exp)), key=f_exp.__getitem__)
-            f_obs[j] += pooled_obs
-            f_exp[j] += pooled_exp
-    residuals = {t: abs(observed.get(t, 0) - float(expected[t])) / max(float(expected[t]), 1e-12) ** 0.5 for t in big}
-    worst = max(residuals, key=residuals.get) if residuals else (small[0] if small else 0)
+    # Bins: tokens in decreasing expected count, each bin closed once it expects >= MIN_EXPECTED; a short last bin is
+    # merged into the previous one. Frequent tokens get a bin each, rare ones are pooled with their neighbours.
+    support = sorted((t for t in range(len(expected)) if expected[t] > 0), key=lambda t: -float(expected[t]))
+    bins: list[list[int]] = [[]]
+    for t in support:
+        if float(expected[bins[-1]].sum()) >= MIN_EXPECTED:
+            bins.append([])
+        bins[-1].append(t)
+    if len(bins) > 1 and float(expected[bins[-1]].sum()) < MIN_EXPECTED:
+        bins[-2] += bins.pop()
+    f_obs = [float(sum(observed.get(t, 0) for t in b)) for b in bins]
+    f_exp = [float(expected[b].sum()) for b in bins]
+    residuals = {t: abs(observed.get(t, 0) - float(expected[t])) / float(expected[t]) ** 0.5 for t in support}
+    worst = max(residuals, key=residuals.get)
     if len(f_obs) < 2:
         return 1.0, worst, observed.get(worst, 0), float(expected[worst])
     scale = sum(f_obs) / sum(f_exp)  # remove float rounding so scipy's sum check passes

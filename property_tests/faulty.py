@@ -7,7 +7,10 @@ Every class follows the Engine protocol and claims the reference's capabilities 
 - :class:`DroppedLastToken` — the last generated token (and its log-prob) is lost when completing a request.
 - :class:`TopKAfterTopP` — processors in the wrong order: top-p, then top-k (spec: top-k, then top-p).
 - :class:`CompletionOrder` — results returned in the order requests finished (shortest completion first).
-- :class:`WrongTemperature` — an own-RNG sampler that ignores the requested temperature (samples at T=1).
+- :class:`IgnoresTopK` — an own-RNG sampler that silently drops the per-request top-k (what transformers CB does
+  to a per-request kwarg whose processor was not built at init, if the kwarg check is bypassed).
+
+:class:`OwnRNG` is the control: the reference with fresh random seeds, a *correct* own-RNG engine.
 """
 
 from __future__ import annotations
@@ -97,20 +100,24 @@ class TopKAfterTopP(_Faulty):
         return Rollout(request.request_id, request.prompt_ids, tuple(completion), tuple(logprobs), reason)
 
 
-class WrongTemperature(_Faulty):
-    """Own RNG (fresh seeds from a torch generator), temperature ignored: always samples at T=1."""
+class OwnRNG(_Faulty):
+    """Correct own-RNG engine (the control): the reference, each request given a fresh seed from a torch generator."""
 
     capabilities = replace(ReferenceEngine.capabilities, spec_sampling=False, claims_batch_invariance=False)
 
     def __init__(self, model, seed: int = 0) -> None:
         super().__init__(model)
+        self.name = "own-rng-reference"
         self.rng = torch.Generator().manual_seed(seed)
 
+    def _reseed(self, requests):
+        seeds = torch.randint(0, 2**62, (len(requests),), generator=self.rng).tolist()
+        return [replace(r, seed=int(s)) for r, s in zip(requests, seeds, strict=True)]
+
     def generate(self, requests):
-        fixed = []
-        for r in requests:
-            s = r.sampling if r.sampling.greedy else replace(r.sampling, temperature=1.0)
-            seed = int(torch.randint(0, 2**62, (1,), generator=self.rng))
-            fixed.append(replace(r, sampling=s, seed=seed))
-        out = super().generate(fixed)
-        return out
+        return super().generate(self._reseed(requests))
+
+
+class IgnoresTopK(OwnRNG):
+    def generate(self, requests):
+        return super().generate([replace(r, sampling=replace(r.sampling, top_k=0)) for r in requests])
