@@ -6,7 +6,7 @@ Contract: :func:`check_case` returns a :class:`CaseResult` whose ``failures`` is
    processed log-probs and the top-5 log-probs within ``golden.tolerances.REFERENCE[dtype]``
    (max |Δ| and |mean Δ|);
 2. re-generating with the reference (and with each engine that applies) reproduces the golden tokens under the
-   DESIGN §4 token rule (:func:`golden.tolerances.divergence_accepted`), and the returned sampling log-probs match
+   DESIGN §4 token rule (``cbverify.compare.compare_tokens``), and the returned sampling log-probs match
    the recorded ones on the common prefix within the tolerance for that engine;
 3. a recorded GRPO trajectory is reproduced within ``golden.tolerances.TRAJECTORY``.
 
@@ -24,8 +24,10 @@ from pathlib import Path
 
 import torch
 
+from cbverify.compare import check_results, compare_tokens
 from cbverify.engines import NotApplicable
 from cbverify.models import load
+from cbverify.tolerances import tier_for
 from golden import env as golden_env
 from golden import tolerances as tol
 from golden.cases import RECORDS_DIR, GoldenCase, record_path
@@ -126,18 +128,22 @@ def check_rollouts(
     golden = data["rollouts"]
     requests = {r.request_id: r for r in case.requests()}
     failures, notes, common_golden, common_actual, ids = [], [], [], [], []
+    problems = check_results(list(requests.values()), rollouts)
+    if problems:
+        return [Failure(case.name, engine, "completeness/order", "; ".join(problems))], notes
+    tier = tier_for(case.dtype)
     for g, r in zip(golden, rollouts, strict=True):
-        if r.request_id != g["request_id"]:
-            failures.append(Failure(case.name, engine, "request order", f"{r.request_id} where {g['request_id']}"))
-            continue
-        pos = tol.first_divergence(g["completion_ids"], r.completion_ids)
-        if pos is not None:
-            verdict = tol.divergence_accepted(model, case.dtype, requests[r.request_id], g, r.completion_ids, pos)
-            if verdict.accepted:
-                notes.append(f"{engine}: request {r.request_id} diverges at position {pos}, accepted: {verdict}")
-            else:
-                why = f"request {r.request_id} first divergent position {pos}: {verdict}"
-                failures.append(Failure(case.name, engine, "tokens", why))
+        request = requests[r.request_id]
+        recorded = Rollout(r.request_id, request.prompt_ids, g["completion_ids"], g["sampling_logprobs"],
+                           g["finish_reason"])  # fmt: skip
+        div = compare_tokens(model, request, recorded, r, engine=engine, tier=tier, repro=f"cbverify golden check "
+                             f"--case {case.name} --engine {engine}")  # fmt: skip
+        pos = None if div is None else div.position
+        if div is not None and div.accepted:
+            notes.append(f"accepted divergence against the golden (golden = 'reference' below):\n{div.describe()}")
+        elif div is not None:
+            failures.append(Failure(case.name, engine, "tokens", f"first divergent position {pos} against the golden "
+                                    f"(golden = 'reference' below):\n{div.describe()}"))  # fmt: skip
         n = len(g["completion_ids"]) if pos is None else pos
         common_golden.append(g["sampling_logprobs"][:n])
         common_actual.append(list(r.logprobs[:n]))
@@ -206,6 +212,8 @@ def check_case(
     if trajectory and data.get("trajectory"):
         from golden.record import run_trajectory
 
-        for why in tol.compare_trajectory(data["trajectory"], run_trajectory(case, device)):
+        stored = data["trajectory"]
+        rerun = run_trajectory(case, device, model=model, config=stored["config"])
+        for why in tol.compare_trajectory(stored, rerun):
             result.failures.append(Failure(case.name, "reference.train", "GRPO trajectory", why))
     return result

@@ -16,6 +16,7 @@ Floats are float32 values written with Python's shortest round-trip ``repr`` (ex
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -77,13 +78,31 @@ def reference_rollouts(model, case: GoldenCase) -> list[dict]:
     ]
 
 
-def trajectory(case: GoldenCase, device: str) -> dict | None:
-    """``case.trajectory_steps`` steps of ``reference.train`` on a fresh copy of the model, or ``None``."""
+TRAJECTORY_METRICS = ("loss", "grad_norm", "mean_reward", "kl")
+
+
+def trajectory_config(case: GoldenCase) -> dict:
+    """The ``reference.train.TrainConfig`` fields of a case's trajectory: the defaults, shrunk to 2 prompts x 4
+    generations so 5 steps fit the default test budget."""
+    from reference.train import TrainConfig
+
+    config = TrainConfig(model=case.model, steps=case.trajectory_steps, num_prompts=2, num_generations=4)
+    return {f: getattr(config, f) for f in config.__slots__}
+
+
+def run_trajectory(case: GoldenCase, device: str = "cpu", *, model=None, config: dict | None = None) -> dict | None:
+    """``reference.train.train`` for the case's trajectory config (or the stored ``config``) on a fresh copy of the
+    model: ``{"config": ..., "steps": [{"step", "loss", "grad_norm", "mean_reward", "kl"}, ...]}``, or ``None``."""
     if case.trajectory_steps == 0:
         return None
-    from golden.trajectory import run_trajectory
+    from reference.train import TrainConfig, train
 
-    return run_trajectory(case, device)
+    config = config if config is not None else trajectory_config(case)
+    model = copy.deepcopy(model) if model is not None else load(case.model, dtype=case.dtype, device=device)[0]
+    history = train(TrainConfig(**config), model=model)
+    steps = [{"step": h["step"], **{k: (None if h[k] is None else float(h[k])) for k in TRAJECTORY_METRICS}}
+             for h in history]  # fmt: skip
+    return {"config": config, "steps": steps}
 
 
 def build_record(case: GoldenCase, device: str = "cpu", *, model=None) -> dict:
@@ -105,7 +124,7 @@ def build_record(case: GoldenCase, device: str = "cpu", *, model=None) -> dict:
             ],  # fmt: skip
         },
         "rollouts": reference_rollouts(model, case),
-        "trajectory": trajectory(case, device),
+        "trajectory": run_trajectory(case, device, model=model),
         "env": golden_env.capture(device),
     }
 

@@ -1,0 +1,106 @@
+"""Measure the noise the golden tolerances must absorb, and the signal they must still catch.
+
+``python -m golden.measure_noise [--case ...] [--engines]`` prints, per case, the max |Δ| and |mean Δ| of every
+recorded log-prob series between a baseline reference run (2 threads) and
+
+- ``run-to-run``: the same computation again in the same process;
+- ``threads=N``: the same computation with ``torch.set_num_threads(N)`` for N in 1 and 4;
+- ``engine:<name>`` (with ``--engines``): each harness engine's sampling log-probs on the common token prefix;
+- ``perturbed``: the signal: N(0, 1e-3) noise added to one layer's ``mlp.down_proj`` weight (what the tests inject).
+
+The output is the evidence behind ``golden.tolerances``; rerun it when the stack changes and update the reasons.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+
+import torch
+
+from cbverify.models import load
+from golden.cases import GoldenCase, select
+from golden.record import reference_rollouts
+
+SERIES = ("sampling_logprobs", "per_token_logps", "processed_per_token_logps", "top5_logprobs")
+
+
+def perturb(model, *, layer: int = 1, std: float = 1e-3, seed: int = 0):
+    """A deep copy of ``model`` with N(0, std) noise added to ``model.layers[layer].mlp.down_proj.weight``."""
+    model = copy.deepcopy(model)
+    weight = model.model.layers[layer].mlp.down_proj.weight
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        weight.add_(torch.randn(weight.shape, generator=gen).to(weight.dtype) * std)
+    return model
+
+
+def _flat(values) -> list[float]:
+    return [x for v in values for x in (_flat(v) if isinstance(v, list) else [v])]
+
+
+def series_delta(base: list[dict], other: list[dict]) -> dict:
+    """Per series: max |Δ| and mean Δ over positions both runs share a token prefix; plus token divergences."""
+    out: dict = {"token_divergences": 0}
+    for key in SERIES:
+        deltas = []
+        for b, o in zip(base, other, strict=True):
+            n = 0
+            while n < min(len(b["completion_ids"]), len(o["completion_ids"])) and \
+                    b["completion_ids"][n] == o["completion_ids"][n]:  # fmt: skip
+                n += 1
+            deltas += [y - x for x, y in zip(_flat(b[key][:n]), _flat(o[key][:n]), strict=True)]
+        out[key] = {"max_abs": max(map(abs, deltas), default=0.0), "mean": sum(deltas) / max(1, len(deltas))}
+    pairs = zip(base, other, strict=True)
+    out["token_divergences"] = sum(b["completion_ids"] != o["completion_ids"] for b, o in pairs)
+    return out
+
+
+def engine_delta(name: str, model, case: GoldenCase, base: list[dict]) -> dict | str:
+    from golden.check import build_engine
+
+    engine = build_engine(name, model)
+    if isinstance(engine, str):
+        return engine
+    if not (engine.capabilities.spec_sampling or case.sampling_params.greedy):
+        return "own RNG on a sampled case: not comparable"
+    try:
+        rollouts = engine.generate(case.requests())
+    except Exception as err:  # noqa: BLE001 - a measurement script reports every engine failure and moves on
+        return f"{type(err).__name__}: {err}"
+    other = [{**b, "completion_ids": list(r.completion_ids), "sampling_logprobs": list(r.logprobs)}
+             for b, r in zip(base, rollouts, strict=True)]  # fmt: skip
+    delta = series_delta(base, other)
+    return {"token_divergences": delta["token_divergences"], "sampling_logprobs": delta["sampling_logprobs"]}
+
+
+def measure(case: GoldenCase, *, engines: bool) -> dict:
+    model, _ = load(case.model, dtype=case.dtype)
+    torch.set_num_threads(2)
+    base = reference_rollouts(model, case)
+    out = {"run-to-run": series_delta(base, reference_rollouts(model, case))}
+    for n in (1, 4):
+        torch.set_num_threads(n)
+        out[f"threads={n}"] = series_delta(base, reference_rollouts(model, case))
+    torch.set_num_threads(2)
+    if engines:
+        from golden.check import available_engines
+
+        for name in available_engines():
+            out[f"engine:{name}"] = engine_delta(name, model, case, base)
+    out["perturbed"] = series_delta(base, reference_rollouts(perturb(model), case))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--case", action="append", default=[], help="case name or substring (repeatable)")
+    parser.add_argument("--engines", action="store_true", help="also measure every harness engine")
+    args = parser.parse_args(argv)
+    results = {case.name: measure(case, engines=args.engines) for case in select(args.case)}
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
