@@ -1,0 +1,57 @@
+"""Engines with their own RNG sample from the reference's processed distribution (``cbverify.distribution``).
+
+False-alarm budget: each call of ``distribution_test`` fails a correct engine with probability <= ALPHA (Holm over
+all its node tests). The default run makes 2 engines x 3 scenarios = 6 calls, so its false-alarm rate is <= 6e-3 by
+the union bound; the ``slow`` Hypothesis variant makes ``max_examples`` calls per engine at ALPHA / max_examples each
+(Bonferroni across examples), so it keeps the same <= 1e-3 per engine. Engines are seeded, so a run is reproducible.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+
+from cbverify.distribution import distribution_test
+from cbverify.engines import get_engine
+from cbverify.verify import DEFAULT_ENGINE_OPTIONS
+from property_tests.strategies import sampling_params
+from reference import tasks
+from reference.spec import RolloutRequest, SamplingParams
+
+RNG_ENGINES = ("hf-generate", "transformers-cb")
+ALPHA = 1e-3
+PROMPTS = [tuple(tasks.prompt_ids(p)) for p in tasks.make_problems(2, seed=7, max_terms=3)]
+SCENARIOS = {
+    "T=1": SamplingParams(temperature=1.0, max_new_tokens=3),
+    "T=0.7 top-k 5 top-p 0.9": SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_new_tokens=3),
+    "T=1.5 min-p 0.05": SamplingParams(temperature=1.5, min_p=0.05, max_new_tokens=3),
+}
+
+
+@pytest.fixture(scope="module")
+def models(llama, qwen2):
+    """Both bundled models: the trained Llama has peaked distributions, the random Qwen2 near-uniform ones."""
+    return {"llama": llama[0], "qwen2": qwen2[0]}
+
+
+@pytest.mark.parametrize("name", RNG_ENGINES)
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_own_rng_engines_sample_from_the_reference_processed_distribution(name, scenario, models):
+    model = models["qwen2"] if "top-k" in scenario else models["llama"]
+    engine = get_engine(name, model, **DEFAULT_ENGINE_OPTIONS.get(name, {}), seed=11)
+    requests = [RolloutRequest(f"d{i}", prompt, SCENARIOS[scenario], eos_token_ids=(tasks.EOS_ID,))
+                for i, prompt in enumerate(PROMPTS)]  # fmt: skip
+    result = distribution_test(engine, model, requests, num_samples=200, min_count=50, alpha=ALPHA)
+    assert result.tests, "no node had enough samples: the test would be vacuous"
+    assert result.passed, result.describe()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RNG_ENGINES)
+@settings(max_examples=20)
+@given(sampling=sampling_params(greedy=False, max_new_tokens=(1, 3)))
+def test_own_rng_engines_sample_from_the_reference_distribution_for_any_sampling_parameters(name, sampling, models):
+    engine = get_engine(name, models["qwen2"], **DEFAULT_ENGINE_OPTIONS.get(name, {}), seed=3)
+    requests = [RolloutRequest("d", PROMPTS[0], sampling, eos_token_ids=(tasks.EOS_ID,))]
+    result = distribution_test(engine, models["qwen2"], requests, num_samples=300, min_count=50, alpha=ALPHA / 20)
+    assert result.passed, result.describe()
