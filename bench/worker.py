@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     configure(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model_name = "tiny-llama-arith" if args.workload == "arith" and args.model == "random" else args.model
+    model_name = "tiny-llama-arith" if args.workload == "arith" else args.model  # arith prompts: its char vocab
     model, info = load_bench_model(model_name, device=args.device, dtype=parse_dtype(args.dtype, args.device))
     env = measure.environment(args.device)
     status = 0

@@ -33,7 +33,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--model",
         default="random",
         help="'random' (device-shaped random Llama) or a bundled name / local checkpoint directory "
-        "for gsm8k-like and uniform; arith always uses tiny-llama-arith unless a path is given",
+        "for gsm8k-like and uniform; arith always uses tiny-llama-arith (its prompts are in that vocabulary)",
     )
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default fp32 CPU, bf16 CUDA)")
     parser.add_argument("--out", default="bench-results", help="output directory (created)")
@@ -55,8 +55,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--time-forwards",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="time model forwards to get engine overhead per step (syncs CUDA around forwards)",
+        default=None,
+        help="time model forwards for engine overhead per step (default: on for CPU, off for CUDA, where the sync "
+        "around each forward would remove the CPU/GPU overlap that engines rely on)",
     )
     parser.add_argument(
         "--grpo",
@@ -66,6 +67,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--grpo-n", nargs="+", type=int, default=list(GRPO_NS), help="N for the GRPO-step benchmark")
     parser.add_argument("--grpo-steps", type=int, default=3, help="trainer steps per GRPO case (first is warm-up)")
+    parser.add_argument(
+        "--grpo-model",
+        default="tiny-llama-arith",
+        help="bundled name or local checkpoint (with its tokenizer) for the GRPO-step benchmark",
+    )
     parser.add_argument("--strict-targets", action="store_true", help="exit 1 when an issue-8 target is missed")
 
 
@@ -82,13 +88,15 @@ def run(args: argparse.Namespace) -> int:
     config = SuiteConfig(device=args.device, workloads=tuple(args.workload), ns=tuple(args.n),
                          engines=tuple(args.engines), model=args.model, dtype=args.dtype, threads=args.threads,
                          kv_headroom=args.kv_headroom, max_batch_tokens=args.max_batch_tokens,
-                         temperature=args.temperature, seed=args.seed, time_forwards=args.time_forwards)  # fmt: skip
+                         temperature=args.temperature, seed=args.seed,
+                         time_forwards=not args.device.startswith("cuda") if args.time_forwards is None
+                         else args.time_forwards)  # fmt: skip
     result = run_suite(config, out)
     if args.grpo:
         from bench.grpo_step import GrpoConfig, run_grpo
 
         result["grpo"] = run_grpo(GrpoConfig(device=args.device, ns=tuple(args.grpo_n), steps=args.grpo_steps,
-                                             threads=args.threads), out)  # fmt: skip
+                                             threads=args.threads, model=args.grpo_model), out)  # fmt: skip
     paths = report.write(result, out)
     print(report.markdown(result))
     print("wrote " + ", ".join(str(p) for p in paths))
