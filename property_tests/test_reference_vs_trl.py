@@ -146,6 +146,11 @@ def test_reference_advantages_is_weights_and_loss_equal_trl_on_drawn_batches(tra
     torch.testing.assert_close(our_grad, trl_grad, rtol=RTOL, atol=1e-12)
 
     logged = trainer._metrics["train"]
+    if mask.shape[1] == 1 and not mask.all():
+        # TRL 1.16 quirk: with a batch whose longest completion is 1 token, its logging helpers take the (B, 1)
+        # per-token metrics for per-sequence ones and average them over *all* rows, padding included. The reference
+        # averages over real tokens, so the logged metrics are compared only where the two conventions coincide.
+        return
     if config.loss_type == "cispo":
         assert ours.clip_fraction == pytest.approx(logged["cispo_clip_ratio"][-1], rel=RTOL)
     else:

@@ -132,9 +132,11 @@ def importance_weights(old_per_token_logps, sampling_per_token_logps, completion
 
 
 def masked_mean(values: torch.Tensor, completion_mask: torch.Tensor) -> float:
-    """Mean over real tokens of a (B, T) tensor, or over sequences of a (B, 1) one (TRL's logging convention)."""
-    if values.shape[1] == 1:
+    """Mean over real tokens of a (B, T) tensor; a (B, 1) per-sequence tensor (sequence level, T > 1) is averaged
+    over sequences, as TRL logs it. A (B, 1) tensor with T == 1 is per token and uses the mask."""
+    if values.shape[1] == 1 and completion_mask.shape[1] != 1:
         return float(values.sum() / max(values.shape[0], 1))
+    values = values.expand_as(completion_mask)
     return float((values * completion_mask).sum() / completion_mask.sum().clamp(min=1.0))
 
 
