@@ -50,6 +50,7 @@ class Finding:
     repro: TrainerScenario  # the smallest scenario that shows it (tests run it; it must keep failing)
     architectures: tuple[str, ...] = ()  # config.model_type values it affects; () means every architecture
     repro_model: str = "tiny-qwen2-random"  # the bundled model the repro runs on
+    data_dependent: bool = False  # shows for some data only: a PASS elsewhere is no sign of a fix (the repro is)
 
     def covers(self, result: CheckResult, scenario, model_type: str) -> bool:
         arch_ok = not self.architectures or model_type in self.architectures
@@ -146,6 +147,19 @@ FINDINGS: tuple[Finding, ...] = (
         "(supports_continuous_batching=False, drop_unsupported_processors=True) with only a logger warning: "
         "greedy CB tokens are the argmax of the unpenalised logits",
         repro=TrainerScenario(path="cb", greedy=True, repetition_penalty=1.5),
+    ),
+    Finding(
+        id="float32-group-mean-gives-zero-variance-groups-an-advantage",
+        checks=("zero_variance_groups_get_zero_advantage",),
+        path="*",
+        when="a group of equal rewards whose float32 mean is inexact (e.g. three rewards of 5/7)",
+        applies=lambda s: True,
+        affected=PINNED,
+        evidence="_generate_and_score_completions computes group mean/std in float32: rewards [5/7]*3 give "
+        "reward - mean = 5.96e-8, divided by (std + 1e-4) -> advantage 5.96e-4 for every member instead of 0 "
+        "(same sign for the whole group); the float64 reference gives 0",
+        repro=TrainerScenario(path="generate", num_generations=3, reward="constant"),
+        data_dependent=True,
     ),
 )
 

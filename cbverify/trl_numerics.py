@@ -47,24 +47,54 @@ def trainer_logprobs_match_reference(scenario: TrainerScenario, capture: Capture
                     f"{flat.numel()} tokens: max |diff| {worst:.2e}, mean {mean:.2e} ({tier})")]  # fmt: skip
 
 
+def _groups(rewards: torch.Tensor, num_generations: int) -> list[tuple[int, bool]]:
+    """``(start row, all rewards equal)`` for each group of the flat (B,) reward vector."""
+    return [(g, bool((rewards[g : g + num_generations] == rewards[g]).all()))
+            for g in range(0, rewards.numel(), num_generations)]  # fmt: skip
+
+
 def advantages_match_reference(scenario: TrainerScenario, capture: Capture, scale_rewards: str) -> list[CheckResult]:
+    """Two checks: groups with reward variance match the float64 reference (rtol 1e-5: TRL computes in float32);
+    groups whose rewards are all equal get advantage exactly 0 (what the reference gives: nothing to learn)."""
     from reference.advantages import compute_advantages
 
-    check = "advantages_match_reference"
+    names = ("advantages_match_reference", "zero_variance_groups_get_zero_advantage")
     if scenario.trainer != "grpo":
-        return [_result(check, scenario, NA, "RLOO's leave-one-out baseline has no reference implementation")]
-    if not capture.scored or len(capture.scored) != len(capture.rewards):
         return [
-            _result(check, scenario, FAIL, f"{len(capture.scored)} scored batches, {len(capture.rewards)} reward sets")
+            _result(n, scenario, NA, "RLOO's leave-one-out baseline has no reference implementation") for n in names
         ]
-    worst = 0.0
+    if not capture.scored or len(capture.scored) != len(capture.rewards):
+        reason = f"{len(capture.scored)} scored batches, {len(capture.rewards)} reward sets"
+        return [_result(n, scenario, FAIL, reason) for n in names]
+    worst, zero_rows, varied_rows, zero_bad = 0.0, 0, 0, []
+    n = scenario.num_generations
     for scored, rewards in zip(capture.scored, capture.rewards, strict=True):
-        expected = compute_advantages(rewards[:, 0].double(), scenario.num_generations, scale_rewards)
+        flat = rewards[:, 0].double()
+        expected = compute_advantages(flat, n, scale_rewards)
         got = scored["advantages"].double()
-        if got.shape != expected.shape or not torch.allclose(got, expected, rtol=LOSS_RTOL, atol=LOSS_ATOL):
-            return [_result(check, scenario, FAIL, f"advantages {got.tolist()} != reference {expected.tolist()}")]
-        worst = max(worst, float((got - expected).abs().max()))
-    return [_result(check, scenario, PASS, f"{len(capture.scored)} batch(es), max |diff| {worst:.1e}")]
+        if got.shape != expected.shape:
+            return [
+                _result(n_, scenario, FAIL, f"shape {tuple(got.shape)} != {tuple(expected.shape)}") for n_ in names
+            ]
+        for start, flat_group in _groups(rewards[:, 0], n):
+            rows = slice(start, start + n)
+            if flat_group:
+                zero_rows += n
+                if (got[rows] != 0).any():
+                    zero_bad.append(f"rewards {rewards[rows, 0].tolist()} -> advantages {got[rows].tolist()}")
+                continue
+            varied_rows += n
+            if not torch.allclose(got[rows], expected[rows], rtol=LOSS_RTOL, atol=LOSS_ATOL):
+                msg = f"advantages {got[rows].tolist()} != reference {expected[rows].tolist()}"
+                return [_result(names[0], scenario, FAIL, msg), _result(names[1], scenario, NA, "not reached")]
+            worst = max(worst, float((got[rows] - expected[rows]).abs().max()))
+    first = (_result(names[0], scenario, PASS, f"{varied_rows} rows in varied groups, max |diff| {worst:.1e}")
+             if varied_rows else _result(names[0], scenario, NA, "every group had equal rewards"))  # fmt: skip
+    if not zero_rows:
+        return [first, _result(names[1], scenario, NA, "no group with equal rewards")]
+    if zero_bad:
+        return [first, _result(names[1], scenario, FAIL, f"{len(zero_bad)} zero-variance group(s): {zero_bad[0]}")]
+    return [first, _result(names[1], scenario, PASS, f"{zero_rows} rows in zero-variance groups, all exactly 0")]
 
 
 def loss_matches_reference(scenario: TrainerScenario, capture: Capture, trainer_args: dict) -> list[CheckResult]:
@@ -206,18 +236,3 @@ def sampler_logprob_semantics(scenario: TrainerScenario, capture: Capture, model
     if d_full <= tol:
         return [_result(check, scenario, PASS, f"full-support (max |diff| {d_full:.1e}); {gap_text}")]
     return [_result(check, scenario, FAIL, f"neither: max |diff| processed {d_proc:.2e}, full {d_full:.2e}")]
-
-
-def greedy_paths_agree(captures: dict[str, Capture], scenario_text: str) -> CheckResult:
-    """Same seed, greedy decoding: every path's first-generation completions are identical."""
-    firsts = {p: c.generations[0].completion_ids for p, c in captures.items() if c.generations}
-    if len(firsts) < 2:
-        return CheckResult("greedy_paths_agree", "*", NA, f"only {sorted(firsts)} produced completions", scenario_text)
-    base_path, base = next(iter(firsts.items()))
-    for path, comps in firsts.items():
-        if comps != base:
-            rows = [i for i, (a, b) in enumerate(zip(base, comps or [], strict=False)) if a != b]
-            return CheckResult(
-                "greedy_paths_agree", "*", FAIL, f"{path} differs from {base_path} on rows {rows[:4]}", scenario_text
-            )
-    return CheckResult("greedy_paths_agree", "*", PASS, f"{' = '.join(firsts)} on {len(base)} rows", scenario_text)

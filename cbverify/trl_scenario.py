@@ -53,6 +53,7 @@ class TrainerScenario:
     seed: int = 0
     evaluate: bool = False  # run trainer.evaluate() instead of trainer.train()
     rollout_backend: str = "auto"  # rollout_func path: "cb_impl", "reference" or "auto" (cb_impl when importable)
+    reward: str = "arithmetic"  # "arithmetic" or "constant" (5/7 for every completion: every group has zero variance)
     extra_cb_config: tuple[tuple[str, object], ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -71,6 +72,7 @@ class TrainerScenario:
             (self.is_mode in IS_MODES, f"is_mode must be one of {IS_MODES}, got {self.is_mode!r}"),
             (self.max_steps >= 1, f"max_steps must be >= 1, got {self.max_steps}"),
             (self.rollout_backend in ("auto", "cb_impl", "reference"), "rollout_backend: auto|cb_impl|reference"),
+            (self.reward in ("arithmetic", "constant"), f"reward must be arithmetic|constant, got {self.reward!r}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -106,6 +108,11 @@ def arithmetic_reward(prompts, completions, completion_ids, answer, **_) -> list
     return out
 
 
+def constant_reward(prompts, **_) -> list[float]:
+    """5/7 for everything: a float32 sum of three 5/7 is inexact, so a group mean of them is not 5/7 exactly."""
+    return [5.0 / 7.0] * len(prompts)
+
+
 def _common_args(scenario: TrainerScenario, output_dir: str) -> dict:
     import torch
 
@@ -134,7 +141,8 @@ def build_trainer(scenario: TrainerScenario, model, tokenizer, rollout_func=None
     output_dir = tempfile.mkdtemp(prefix="cbverify-trl-")
     args = _common_args(scenario, output_dir)
     dataset = make_dataset(scenario)
-    common = dict(model=model, reward_funcs=arithmetic_reward, train_dataset=dataset, processing_class=tokenizer)
+    reward = arithmetic_reward if scenario.reward == "arithmetic" else constant_reward
+    common = dict(model=model, reward_funcs=reward, train_dataset=dataset, processing_class=tokenizer)
     if scenario.evaluate:
         common["eval_dataset"] = dataset
     if scenario.trainer == "grpo":

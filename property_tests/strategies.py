@@ -199,3 +199,37 @@ def bench_workloads(draw, *, max_generations: int = 8, max_prompts: int = 3, max
         completion_len=completion, max_new_tokens=draw(st.integers(completion.hi, max_len)),
         temperature=draw(st.sampled_from([0.0, 1.0])), seed=draw(st.integers(0, 2**31)),
     )  # fmt: skip
+
+
+@st.composite
+def trainer_scenarios(
+    draw,
+    *,
+    paths: tuple[str, ...] = ("generate", "cb", "rollout_func"),
+    bf16: bool | None = False,
+    greedy: bool | None = None,
+    max_completion_length: tuple[int, int] = (1, 8),
+    max_steps: tuple[int, int] = (1, 1),
+):
+    """A ``cbverify.trl_scenario.TrainerScenario``: a small TRL trainer run on one generation path with drawn
+    group size, lengths, sampling options, loss type, IS level/correction and gradient accumulation.
+
+    RLOO is drawn only for the paths it offers (not ``rollout_func``); the rollout_func backend is the reference
+    generator (cb_impl's adapter is exercised by its own tests)."""
+    from cbverify.trl_scenario import TrainerScenario
+
+    path = draw(st.sampled_from(paths))
+    is_greedy = draw(st.booleans()) if greedy is None else greedy
+    trainer = "grpo" if path == "rollout_func" else draw(st.sampled_from(["grpo", "grpo", "rloo"]))
+    return TrainerScenario(
+        path=path, trainer=trainer, num_generations=draw(st.integers(2, 3)), num_prompts=draw(st.integers(1, 2)),
+        max_completion_length=draw(st.integers(*max_completion_length)),
+        temperature=draw(st.sampled_from([0.7, 1.0, 1.3])), top_k=draw(st.sampled_from([0, 0, 3])),
+        top_p=draw(st.sampled_from([1.0, 1.0, 0.8])), greedy=is_greedy,
+        bf16=draw(st.booleans()) if bf16 is None else bf16,
+        gradient_accumulation_steps=draw(st.integers(1, 2)),
+        loss_type=draw(st.sampled_from(["dapo", "grpo", "bnpo", "dr_grpo", "cispo"])),
+        importance_sampling_level=draw(st.sampled_from(["token", "sequence"])),
+        is_correction=draw(st.booleans()), is_mode=draw(st.sampled_from(["sequence_mask", "token_truncate"])),
+        max_steps=draw(st.integers(*max_steps)), seed=draw(st.integers(0, 2**16)), rollout_backend="reference",
+    )  # fmt: skip

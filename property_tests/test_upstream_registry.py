@@ -1,0 +1,80 @@
+"""Fast tests of the upstream machinery itself (no trainer runs): the findings registry, the judging rule, scenario
+validation, the ``cbverify upstream`` listing and the matrix table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from cbverify import matrix, upstream
+from cbverify.findings import FAIL, FINDINGS, NA, PASS, CheckResult, by_id
+from cbverify.trl_scenario import PATHS, TrainerScenario
+from cbverify.trl_suite import CHECKS, DEFAULT_SCENARIOS, judge
+
+pytestmark = pytest.mark.upstream
+
+
+def test_every_finding_names_known_checks_a_path_and_one_line_of_evidence():
+    ids = [f.id for f in FINDINGS]
+    assert len(ids) == len(set(ids)), "finding ids must be unique"
+    for f in FINDINGS:
+        assert set(f.checks) <= set(CHECKS), f"{f.id}: unknown checks {set(f.checks) - set(CHECKS)}"
+        assert f.path in (*PATHS, "*"), f.id
+        assert f.evidence and "\n" not in f.evidence and f.affected, f.id
+        assert f.applies(f.repro), f"{f.id}: its own repro scenario does not meet its condition"
+        assert f.data_dependent or f.repro in DEFAULT_SCENARIOS, f"{f.id}: repro should be a default scenario"
+
+
+def test_a_registered_failure_is_expected_and_an_unregistered_one_is_not():
+    finding = by_id("cb-discards-sampler-logprobs")
+    scenario = finding.repro
+    failing = CheckResult("sampler_logprobs_reach_trainer", "cb", FAIL, "dropped")
+    assert judge(failing, scenario, "llama") == (True, "XFAIL(cb-discards-sampler-logprobs)")
+    assert judge(CheckResult("sampler_logprobs_reach_trainer", "generate", FAIL, "x"), scenario, "llama")[0] is False
+    assert judge(CheckResult("loss_matches_reference", "cb", FAIL, "x"), scenario, "llama") == (False, "FAIL")
+
+
+def test_a_registered_check_that_passes_again_is_flagged_as_possibly_fixed():
+    scenario = by_id("cb-reseeds-global-rng").repro
+    passing = CheckResult("generation_keeps_rng", "cb", PASS, "unchanged")
+    assert judge(passing, scenario, "qwen2") == (False, "FIXED?(cb-reseeds-global-rng)")
+    assert judge(CheckResult("generation_keeps_rng", "cb", NA, "n/a"), scenario, "qwen2")[0] is True
+
+
+def test_architecture_scoped_findings_do_not_cover_other_architectures():
+    scenario = by_id("cb-bf16-generation-crashes").repro
+    crash = CheckResult("run_completes", "cb", FAIL, "IndexError")
+    assert judge(crash, scenario, "llama") == (True, "XFAIL(cb-bf16-generation-crashes)")
+    assert judge(crash, scenario, "qwen2") == (False, "FAIL")
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(path="vllm"), dict(num_generations=1), dict(temperature=0.0), dict(loss_type="ppo"), dict(reward="x")],
+)
+def test_trainer_scenarios_reject_invalid_settings_with_a_clear_error(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        TrainerScenario(**kwargs)
+
+
+def test_cbverify_upstream_lists_every_finding_with_its_evidence(capsys):
+    parser = argparse.ArgumentParser()
+    upstream.configure(parser)
+    assert upstream.run(parser.parse_args([])) == 0
+    out = capsys.readouterr().out
+    for f in FINDINGS:
+        assert f"[{f.id}]" in out and f.evidence.split()[0] in out
+
+
+def test_matrix_table_keeps_the_worst_label_per_check_and_marks_failed_installs():
+    def payload(labels):
+        return {"versions": {}, "results": [{"check": "c", "path": "cb", "label": lab, "ok": True} for lab in labels]}
+
+    columns = {"a": payload(["PASS", "XFAIL(f1)", "NOT-APPLICABLE"]), "b": payload(["PASS", "FAIL"]), "c": "pip x: no"}
+    header, rows = matrix.table(columns)
+    assert header == ["check", "path", "a", "b", "c"]
+    assert rows == [["c", "cb", "xfail(f1)", "FAIL", "INSTALL-FAILED"]]
+    assert "| c | cb | xfail(f1) | FAIL | INSTALL-FAILED |" in matrix.render_markdown(header, rows)
+    json.dumps(rows)  # the JSON output is plain data
