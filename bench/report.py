@@ -7,6 +7,7 @@ PNG in a footer line.
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 from bench.engines import ENGINES
@@ -92,7 +93,7 @@ def grpo_markdown(grpo: dict) -> str:
              "| N | generation path | step s (median) | speedup vs generate() | peak MB | delta vs generate() MB |",
              "|---|---|---|---|---|---|"]  # fmt: skip
     by = {(r["n"], r["path"]): r for r in grpo["rows"]}
-    for (n, path), r in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+    for (n, path), r in sorted(by.items(), key=lambda kv: (kv[0][0], ENGINES.index(kv[0][1]))):
         if "error" in r:
             lines.append(f"| {n} | {path} | ERROR: {r['error'][:200]} | | | |")
             continue
@@ -135,13 +136,17 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
                     if pts:
                         ax.plot(*zip(*pts, strict=False), marker="o", label=engine, color=COLORS[engine])
                 ax.set_xscale("log", base=2)
+                ns = sorted({c["n"] for c in cases if c["workload"] == workload})
+                ax.set_xticks(ns, [str(n) for n in ns])
+                ax.minorticks_off()
                 ax.set_xlabel("N (generations per prompt)")
                 ax.set_ylabel(label)
                 ax.set_title(workload)
                 ax.grid(alpha=0.3)
                 ax.legend(fontsize=8)
-        fig.text(0.01, 0.005, footer, fontsize=6, color="gray")
-        fig.tight_layout(rect=(0, 0.03, 1, 1))
+        wrapped = textwrap.fill(footer, width=int(fig.get_figwidth() * 24))
+        fig.text(0.01, 0.005, wrapped, fontsize=6, color="gray")
+        fig.tight_layout(rect=(0, 0.025 * (1 + wrapped.count("\n")) * 4 / fig.get_figheight(), 1, 1))
         fig.savefig(out_dir / name, dpi=110, metadata={"Description": footer})
         plt.close(fig)
         paths.append(out_dir / name)
