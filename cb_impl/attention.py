@@ -80,6 +80,7 @@ class PagedAttention:
     def __init__(self, cache: PagedKVCache) -> None:
         self.cache = cache
         self.metadata: StepMetadata | None = None
+        self._swap: tuple[torch.nn.Module, list] | None = None
         self.name = f"cb_impl_paged_{next(self._ids)}"
         AttentionInterface.register(self.name, self.__call__)
 
@@ -114,18 +115,38 @@ class PagedAttention:
             out[g.q_index[g.q_valid]] = og.transpose(1, 2)[g.q_valid].to(out.dtype)  # (S, Q, Hq, D) -> valid rows
         return out[None], None  # (1, T, Hq, D)
 
+    def _targets(self, model: torch.nn.Module) -> list:
+        """The config objects whose attention setting routes ``model``'s layers, found once by letting transformers
+        validate and apply ``set_attn_implementation(self.name)`` (then undone); later switches only swap them."""
+        if self._swap is None or self._swap[0] is not model:
+            configs = {id(m.config): m.config for m in model.modules()
+                       if hasattr(getattr(m, "config", None), "_attn_implementation_internal")}  # fmt: skip
+            before = {k: c._attn_implementation_internal for k, c in configs.items()}
+            model.set_attn_implementation(self.name)
+            changed = [c for k, c in configs.items() if c._attn_implementation_internal != before[k]]
+            for c in changed:
+                c._attn_implementation_internal = before[id(c)]
+            if not changed:
+                raise RuntimeError(f"{type(model).__name__} did not accept a custom attention implementation")
+            self._swap = (model, changed)
+        return self._swap[1]
+
     @contextmanager
     def attached(self, model: torch.nn.Module) -> Iterator[None]:
         """Route ``model``'s attention here (eval mode, no grad, autocast off: the engine computes in the model's
-        own dtype); restore its attention implementation and training mode afterwards, also when the body raises."""
-        original, was_training = model.config._attn_implementation, model.training
+        own dtype); restore its attention setting and training mode afterwards, also when the body raises."""
+        targets = self._targets(model)
+        originals = [c._attn_implementation_internal for c in targets]
+        was_training = model.training
         try:
-            model.set_attn_implementation(self.name)
+            for c in targets:
+                c._attn_implementation_internal = self.name
             model.eval()
             device_type = next(model.parameters()).device.type
             with torch.no_grad(), torch.autocast(device_type, enabled=False):
                 yield
         finally:
-            model.set_attn_implementation(original)
+            for c, original in zip(targets, originals, strict=True):
+                c._attn_implementation_internal = original
             model.train(was_training)
             self.metadata = None

@@ -202,6 +202,30 @@ def bench_workloads(draw, *, max_generations: int = 8, max_prompts: int = 3, max
 
 
 @st.composite
+def cb_arrival_plans(
+    draw, *, requests: list[RolloutRequest], max_arrival_step: int = 6, tight_memory: bool | None = None
+) -> tuple[dict, list[int], list[int]]:
+    """How ``cb_impl`` meets ``requests``: ``(EngineConfig kwargs, arrival order, arrival step of each arrival)``.
+
+    Block sizes 1-16, batch-token budgets down to 2 (chunked prefill), 1-256 seats, prefix sharing on/off, and a
+    memory budget from exactly one longest sequence (forces preemption) to plenty. Arrivals are a permutation of
+    the requests, each added at a non-decreasing engine step (0 = before the first step).
+    """
+    block_size = draw(st.sampled_from([1, 2, 3, 4, 16]))
+    need = max(-(-(len(r.prompt_ids) + r.sampling.max_new_tokens - 1) // block_size) for r in requests)
+    tight = draw(st.booleans()) if tight_memory is None else tight_memory
+    slack = draw(st.integers(0, 2)) if tight else draw(st.integers(need, 4 * need))
+    config = dict(
+        block_size=block_size, num_blocks=need + slack,
+        max_batch_tokens=draw(st.sampled_from([2, 5, 16, 512])), max_num_seqs=draw(st.sampled_from([1, 2, 3, 256])),
+        enable_prefix_sharing=draw(st.booleans()),
+    )  # fmt: skip
+    order = draw(st.permutations(range(len(requests))))
+    steps = sorted(draw(st.lists(st.integers(0, max_arrival_step), min_size=len(requests), max_size=len(requests))))
+    return config, list(order), steps
+
+
+@st.composite
 def trainer_scenarios(
     draw,
     *,
@@ -214,8 +238,8 @@ def trainer_scenarios(
     """A ``cbverify.trl_scenario.TrainerScenario``: a small TRL trainer run on one generation path with drawn
     group size, lengths, sampling options, loss type, IS level/correction and gradient accumulation.
 
-    RLOO is drawn only for the paths it offers (not ``rollout_func``); the rollout_func backend is the reference
-    generator (cb_impl's adapter is exercised by its own tests)."""
+    RLOO is drawn only for the paths it offers (not ``rollout_func``); the rollout_func backend is ``cb_impl``'s
+    adapter or the reference generator."""
     from cbverify.trl_scenario import TrainerScenario
 
     path = draw(st.sampled_from(paths))
@@ -231,5 +255,6 @@ def trainer_scenarios(
         loss_type=draw(st.sampled_from(["dapo", "grpo", "bnpo", "dr_grpo", "cispo"])),
         importance_sampling_level=draw(st.sampled_from(["token", "sequence"])),
         is_correction=draw(st.booleans()), is_mode=draw(st.sampled_from(["sequence_mask", "token_truncate"])),
-        max_steps=draw(st.integers(*max_steps)), seed=draw(st.integers(0, 2**16)), rollout_backend="reference",
+        max_steps=draw(st.integers(*max_steps)), seed=draw(st.integers(0, 2**16)),
+        rollout_backend=draw(st.sampled_from(["reference", "cb_impl"])),
     )  # fmt: skip

@@ -1,0 +1,122 @@
+"""A ``RuleBasedStateMachine`` over cb_impl's block manager + scheduler (no torch, no model: a fake sampler).
+
+Invariants after every rule: no block leaks, reference counts equal uses, free and used blocks partition all blocks,
+the token/seat/block budgets are never exceeded, waiting is in arrival order and holds no blocks. Each step checks
+that admission is FIFO and that every sample reads a chunk that completes its own (or its parent's) input. At
+teardown every admitted request has finished exactly once, with the tokens the fake sampler dictates.
+"""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from cb_impl.block_manager import BlockManager, blocks_for
+from cb_impl.scheduler import Scheduler
+from cb_impl.sequence import Sequence, SequenceStatus
+
+EOS = 0
+
+
+def fake_token(seq_id: int, position: int) -> int:
+    """The fake model's token: a pure function of (request, completion position), like the spec's noise."""
+    return (seq_id * 7919 + position * 104729) % 11
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(
+        num_blocks=st.integers(1, 24), block_size=st.sampled_from([1, 2, 4, 8]), max_batch_tokens=st.integers(1, 24),
+        max_num_seqs=st.integers(1, 6), sharing=st.booleans(),
+    )  # fmt: skip
+    def setup(self, num_blocks, block_size, max_batch_tokens, max_num_seqs, sharing):
+        self.bm = BlockManager(num_blocks, block_size)
+        self.sched = Scheduler(self.bm, max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
+                               enable_prefix_sharing=sharing)  # fmt: skip
+        self.max_batch_tokens, self.max_num_seqs = max_batch_tokens, max_num_seqs
+        self.next_id = 0
+        self.all: dict[int, Sequence] = {}
+        self.finished: list[int] = []
+        self.ever_admitted: set[int] = set()
+
+    @rule(prompt=st.lists(st.integers(1, 10), min_size=1, max_size=12), max_new=st.integers(1, 10),
+          group=st.integers(1, 4), eos=st.booleans())  # fmt: skip
+    def add_group(self, prompt, max_new, group, eos):
+        if blocks_for(len(prompt) + max_new - 1, self.bm.block_size) > self.bm.num_blocks:
+            return  # the engine rejects such a request before it reaches the scheduler
+        for _ in range(group):
+            seq = Sequence(self.next_id, prompt, max_new_tokens=max_new, eos_token_ids=(EOS,) if eos else ())
+            self.all[seq.seq_id] = seq
+            self.sched.add(seq)
+            self.next_id += 1
+
+    @precondition(lambda self: self.sched.has_unfinished())
+    @rule()
+    def step(self):
+        waiting_before = [s.seq_id for s in self.sched.waiting]
+        running_before = {s.seq_id for s in self.sched.running}
+        batch = self.sched.schedule()
+        assert batch.num_tokens <= self.max_batch_tokens
+        assert len(self.sched.running) <= self.max_num_seqs
+        admitted = [s.seq_id for s in self.sched.running if s.seq_id not in running_before]
+        still_waiting = [s.seq_id for s in self.sched.waiting]
+        # FIFO: those admitted are exactly the oldest waiting ones (preempted ones re-enter at the head)
+        assert all(a < w for a in admitted for w in still_waiting if w in waiting_before), (admitted, still_waiting)
+        self.ever_admitted.update(admitted)
+        chunk_seqs = [s for s, _ in batch.chunks]
+        assert len({id(s) for s in chunk_seqs}) == len(chunk_seqs), "a sequence scheduled twice in one step"
+        for seq, n in batch.chunks:
+            assert n >= 1 and seq.status is SequenceStatus.RUNNING and seq.parent is None
+            assert seq.num_computed_tokens + n <= len(seq.block_table) * self.bm.block_size, "write past the blocks"
+        for seq, c in batch.samples:
+            owner, n = batch.chunks[c]
+            assert owner is seq or seq.parent is owner, "a sample reads another sequence's logits"
+            assert owner.num_computed_tokens + n == owner.num_tokens, "sampling before the input is computed"
+            if seq is not owner:
+                assert seq.token_ids == owner.token_ids and not seq.block_table
+        sampled = [(fake_token(s.seq_id, s.num_completion_tokens), -1.0) for s, _ in batch.samples]
+        for seq in self.sched.postprocess(batch, sampled):
+            assert seq.seq_id not in self.finished, f"{seq.seq_id} finished twice"
+            assert seq.status is SequenceStatus.FINISHED and not seq.block_table
+            self.finished.append(seq.seq_id)
+
+    @precondition(lambda self: self.sched.has_unfinished())
+    @rule(pick=st.integers(0, 10**6))
+    def abort_one(self, pick):
+        live = [*self.sched.waiting, *self.sched.running]
+        seq = live[pick % len(live)]
+        self.sched.finish(seq)
+        self.finished.append(seq.seq_id)
+
+    @invariant()
+    def accounting_is_consistent(self):
+        if not hasattr(self, "bm"):
+            return
+        self.bm.check_invariants(self.sched.running)
+        assert self.bm.num_used_blocks <= self.bm.num_blocks
+        assert [s.seq_id for s in self.sched.waiting] == sorted(s.seq_id for s in self.sched.waiting)
+        for s in self.sched.waiting:
+            assert not s.block_table and s.num_computed_tokens == 0 and s.status is SequenceStatus.WAITING
+        for s in self.sched.running:
+            assert s.status is SequenceStatus.RUNNING
+            assert s.parent is None or (s in s.parent.followers and not s.block_table)
+
+    def teardown(self):
+        if not hasattr(self, "bm"):
+            return
+        for _ in range(10_000):
+            if not self.sched.has_unfinished():
+                break
+            self.step()
+        assert not self.sched.has_unfinished(), "the scheduler stopped making progress"
+        assert sorted(self.finished) == sorted(self.all), "a request was lost or finished twice"
+        assert self.bm.num_free_blocks == self.bm.num_blocks, "blocks leaked"
+        for seq in self.all.values():
+            if seq.finish_reason is not None:  # not aborted: its tokens are the fake model's, whatever happened
+                expected = [fake_token(seq.seq_id, i) for i in range(seq.num_completion_tokens)]
+                assert list(seq.completion_ids) == expected
+                stop = seq.finish_reason == "stop"
+                assert stop == (EOS in seq.eos_token_ids and seq.completion_ids[-1] == EOS)
+                assert stop or seq.num_completion_tokens == seq.max_new_tokens
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
