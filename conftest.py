@@ -29,7 +29,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     n = config.getoption("--max-examples")
     if n is not None:
-        settings.register_profile("cli-override", settings.get_profile(settings._current_profile), max_examples=n)
+        base = settings.get_profile(settings.get_current_profile_name())
+        settings.register_profile("cli-override", base, max_examples=n)
         settings.load_profile("cli-override")
 
 

@@ -67,7 +67,9 @@ def rollout_requests(
                 RolloutRequest(
                     request_id=f"p{p}-g{g}",
                     prompt_ids=tuple(prompt),
-                    sampling=draw(sampling_params(greedy=greedy, max_new_tokens=max_new_tokens, processors=processors)),
+                    sampling=draw(
+                        sampling_params(greedy=greedy, max_new_tokens=max_new_tokens, processors=processors)
+                    ),
                     seed=draw(st.integers(0, MAX_SEED)),
                     eos_token_ids=eos,
                 )

@@ -56,7 +56,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p!r}")
         if not (isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p!r}")
-        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
+        n = self.max_new_tokens
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
 
     @property
