@@ -170,8 +170,8 @@ def train(config: TrainConfig, log: Callable[[dict], None] | None = None, model=
 
         out, grad_norm = first
         record = {
-            "step": step, "mean_reward": float(rewards.mean()), "loss": float(out.loss), "grad_norm": grad_norm,
-            "kl": out.kl, "clip_fraction": out.clip_fraction,
+            "step": step, "mean_reward": float(rewards.mean()), "loss": float(out.loss.detach()),
+            "grad_norm": grad_norm, "kl": out.kl, "clip_fraction": out.clip_fraction,
             "mean_completion_length": float(mask.sum(1).double().mean()),
             "stop_fraction": statistics.mean(r.finish_reason == "stop" for r in rollouts),
             **mismatch_metrics(old, sampling, mask), "step_time_s": time.perf_counter() - start,
