@@ -1,0 +1,152 @@
+"""Bad input gets a clear ``ValueError`` before any work, and a model error during a step fails only that step's
+requests, frees their blocks, restores the model and leaves the engine usable (issue 4, point 5)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from cb_impl.config import EngineConfig
+from cb_impl.engine import EngineStepError, LLMEngine
+from reference.generate import generate as reference_generate
+from reference.spec import RolloutRequest, SamplingParams
+
+GOOD = RolloutRequest("good", (1, 5, 6, 7), SamplingParams(temperature=0.0, max_new_tokens=4), eos_token_ids=(2,))
+BAD = dataclasses.replace(GOOD, request_id="bad")
+
+
+def forged(request: RolloutRequest, **changes) -> RolloutRequest:
+    """A request whose fields bypass the spec's own validation (as a buggy caller could produce)."""
+    request = dataclasses.replace(request)
+    for name, value in changes.items():
+        object.__setattr__(request, name, value)
+    return request
+
+
+def forged_sampling(**changes) -> SamplingParams:
+    params = SamplingParams()
+    for name, value in changes.items():
+        object.__setattr__(params, name, value)
+    return params
+
+
+@pytest.fixture(scope="module")
+def engine(llama):
+    return LLMEngine(llama[0], EngineConfig(block_size=4, num_blocks=16, max_batch_tokens=32))
+
+
+BAD_REQUESTS = {
+    "empty prompt": (forged(BAD, prompt_ids=()), "empty prompt"),
+    "token id beyond the vocabulary": (dataclasses.replace(BAD, prompt_ids=(1, 5, 10_000)), "outside the vocab"),
+    "prompt plus max_new_tokens beyond the context": (
+        dataclasses.replace(BAD, sampling=SamplingParams(max_new_tokens=250), prompt_ids=(1,) * 10), "context"),
+    "max_new_tokens below one": (forged(BAD, sampling=forged_sampling(max_new_tokens=0)), "max_new_tokens"),
+    "negative temperature": (forged(BAD, sampling=forged_sampling(temperature=-0.5)), "temperature"),
+    "top_p above one": (forged(BAD, sampling=forged_sampling(top_p=1.5)), "top_p"),
+    "top_p of zero": (forged(BAD, sampling=forged_sampling(top_p=0.0)), "top_p"),
+    "negative top_k": (forged(BAD, sampling=forged_sampling(top_k=-1)), "top_k"),
+    "memory budget below one sequence": (
+        dataclasses.replace(BAD, sampling=SamplingParams(max_new_tokens=80)), "memory budget"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_cb_rejects_bad_input_before_any_work_and_keeps_the_batch_atomic(engine, case):
+    bad, message = BAD_REQUESTS[case]
+    steps = engine.stats["num_steps"]
+    with pytest.raises(ValueError, match=message):
+        engine.generate([GOOD, bad])  # the good request must not run either
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(bad)
+    assert not engine.has_unfinished() and engine.stats["num_steps"] == steps
+
+
+def test_cb_rejects_duplicate_request_ids_within_a_call_and_against_running_requests(engine):
+    with pytest.raises(ValueError, match="duplicate request id 'good'"):
+        engine.generate([GOOD, dataclasses.replace(GOOD, seed=1)])
+    engine.add_request(GOOD)
+    with pytest.raises(ValueError, match="duplicate request id 'good'"):
+        engine.add_request(dataclasses.replace(GOOD, seed=1))
+    with pytest.raises(RuntimeError, match="idle engine"):
+        engine.generate([dataclasses.replace(GOOD, request_id="other")])
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_cb_rejects_invalid_configs_and_multimodal_models(llama):
+    bad_configs = (dict(block_size=0), dict(num_blocks=0), dict(max_batch_tokens=-1), dict(max_num_seqs=True),
+                   dict(max_memory_fraction=0.0), dict(max_memory_fraction=1.5), dict(enable_prefix_sharing=1))
+    for bad in bad_configs:
+        with pytest.raises(ValueError, match="EngineConfig"):
+            EngineConfig(**bad)
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    vision = CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                              image_size=8, patch_size=4)  # fmt: skip
+    text = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    llava = LlavaForConditionalGeneration(LlavaConfig(vision_config=vision, text_config=text, image_token_index=39))
+    with pytest.raises(ValueError, match="multimodal"):
+        LLMEngine(llava, EngineConfig(num_blocks=8))
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def test_cb_model_error_fails_that_steps_requests_frees_blocks_and_engine_stays_usable(llama):
+    model = llama[0]
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=32, max_batch_tokens=64))
+    original_attn, was_training = model.config._attn_implementation, model.training
+    sampling = SamplingParams(temperature=1.0, top_k=5, max_new_tokens=8)
+    requests = [RolloutRequest(f"r{i}", (1, 5, 6, 7, 8), sampling, seed=i, eos_token_ids=()) for i in range(3)]
+    calls = {"n": 0}
+
+    def explode(module, args):
+        calls["n"] += 1
+        if calls["n"] == 3:  # the third forward: requests are mid-decode, blocks shared and allocated
+            raise Boom("injected failure")
+
+    handle = model.model.layers[1].register_forward_pre_hook(explode)
+    try:
+        with pytest.raises(EngineStepError, match="injected failure") as info:  # after aborting the whole call
+            engine.generate(requests)
+    finally:
+        handle.remove()
+    assert isinstance(info.value.__cause__, Boom) and sorted(info.value.request_ids) == ["r0", "r1", "r2"]
+    assert model.config._attn_implementation == original_attn and model.training == was_training
+    assert not engine.has_unfinished()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    engine.block_manager.check_invariants([])
+
+    handle = model.model.layers[0].register_forward_pre_hook(lambda m, a: (_ for _ in ()).throw(Boom("again")))
+    engine.add_request(requests[0])
+    try:
+        with pytest.raises(EngineStepError, match="again") as info:
+            engine.step()
+    finally:
+        handle.remove()
+    assert info.value.request_ids == ["r0"] and isinstance(info.value.__cause__, Boom)
+    assert not engine.has_unfinished() and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+    after = engine.generate(requests)  # still usable, and still exact
+    ref = reference_generate(model, requests)
+    assert [r.completion_ids for r in after] == [r.completion_ids for r in ref]
+    assert engine.stats["num_failed_requests"] == 4
+
+
+def test_cb_restores_training_mode_and_attention_even_for_a_training_model(llama):
+    model = llama[0]
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=16))
+    original = model.config._attn_implementation
+    model.train()
+    try:
+        out = engine.generate([GOOD])
+        assert model.training and model.config._attn_implementation == original
+        model.eval()
+        assert out == engine.generate([GOOD]), "dropout or train-mode state leaked into generation"
+    finally:
+        model.eval()
+    assert torch.is_grad_enabled()
