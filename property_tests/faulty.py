@@ -6,7 +6,7 @@ Every class follows the Engine protocol and claims the reference's capabilities 
 - :class:`SharedRNG` — one noise stream for the whole batch: every request is sampled with the first one's seed.
 - :class:`DroppedLastToken` — the last generated token (and its log-prob) is lost when completing a request.
 - :class:`TopKAfterTopP` — processors in the wrong order: top-p, then top-k (spec: top-k, then top-p).
-- :class:`CompletionOrder` — results returned in the order requests finished (shortest completion first).
+- :class:`CompletionOrder` — results returned in the order requests finished (shortest completion first, ties LIFO).
 - :class:`IgnoresTopK` — an own-RNG sampler that silently drops the per-request top-k (what transformers CB does
   to a per-request kwarg whose processor was not built at init, if the kwarg check is bypassed).
 
@@ -29,7 +29,7 @@ from reference.spec import Rollout, RolloutRequest, SamplingParams, gumbel_noise
 class _Faulty:
     capabilities: Capabilities = ReferenceEngine.capabilities
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, **_engine_options) -> None:  # options of the engine it stands in for are ignored
         self.model = model
         self.name = f"faulty:{type(self).__name__}"
 
@@ -63,7 +63,9 @@ class DroppedLastToken(_Faulty):
 class CompletionOrder(_Faulty):
     def generate(self, requests):
         out = super().generate(requests)
-        return sorted(out, key=lambda r: len(r.completion_ids))  # stable: equal lengths keep request order
+        # shortest first; among equal lengths the last admitted finishes first (a LIFO decode queue)
+        order = sorted(range(len(out)), key=lambda i: (len(out[i].completion_ids), -i))
+        return [out[i] for i in order]
 
 
 def _top_k_after_top_p(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
