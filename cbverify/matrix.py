@@ -1,8 +1,9 @@
 """``cbverify matrix``: the upstream checks across transformers (x trl) versions, one cached venv per combination.
 
 For every combination a venv under ``.matrix-venvs/`` (gitignored) gets ``torch==2.13.0`` (from the local wheel
-cache), the requested ``transformers`` / ``trl`` (a version, or a local checkout path for a branch under review), and
-this repository in editable mode with ``--no-deps``. A stamp file records what was installed, so a rerun reuses the
+cache), the requested ``transformers`` / ``trl`` (a version, or a local checkout path for a branch under review), the
+project's other dependencies at their ``constraints.txt`` versions, and this repository in editable mode with
+``--no-deps``. A stamp file records what was installed, so a rerun reuses the
 venv. Inside it, ``python -m cbverify.cli upstream --run --json`` runs the default scenarios; the results become a
 version x check table (one cell per check and path: the worst label over the scenarios), printed and written as
 JSON and Markdown. A combination pip cannot install (e.g. a trl that needs a newer transformers) is a column of
@@ -70,13 +71,40 @@ def ensure_venv(venv: Path, transformers: str, trl: str | None, log) -> str | No
         return None
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
     trl_req = _spec("trl", trl) or _pinned_trl()
-    steps = [(TORCH_PIN,), (_spec("transformers", transformers), trl_req, "tqdm"), ("--no-deps", "-e", str(REPO))]
+    constraints = venv / "constraints-except-varied.txt"
+    pinned = [ln for ln in _pinned_others() if ln.split("==")[0].lower() in _project_deps()]
+    constraints.write_text("".join(ln + "\n" for ln in pinned))
+    others = [ln.split("==")[0] for ln in pinned]
+    steps = [
+        (TORCH_PIN,),
+        ("-c", str(constraints), _spec("transformers", transformers), trl_req, *others),
+        ("--no-deps", "-e", str(REPO)),
+    ]
     for args in steps:
         ok, last = _pip(python, *args, log=log)
         if not ok:
             return f"pip install {' '.join(args)}: {last}"
     stamp.write_text(wanted)
     return None
+
+
+VARIED = {"torch", "transformers", "trl", "tokenizers"}  # tokenizers: each transformers pins its own range
+
+
+def _project_deps() -> set[str]:
+    """Lower-case names of this project's runtime dependencies (pyproject), the varied ones excluded."""
+    import re
+    import tomllib
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    return {re.split(r"[<>=!~\[ ;]", d, maxsplit=1)[0].lower() for d in deps} - VARIED
+
+
+def _pinned_others() -> list[str]:
+    """``constraints.txt`` without the varied packages; only our direct dependencies get pinned (their own
+    dependencies, e.g. huggingface_hub, are left to pip so that an older transformers can resolve)."""
+    lines = (REPO / "constraints.txt").read_text().splitlines()
+    return [ln for ln in lines if "==" in ln and ln.split("==")[0].lower() not in VARIED]
 
 
 def _pinned_trl() -> str:

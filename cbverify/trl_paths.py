@@ -19,7 +19,7 @@ import warnings
 import torch
 
 from cbverify.trl_capture import Capture, install
-from cbverify.trl_rollout import make_rollout_func, resolve_backend
+from cbverify.trl_rollout import cb_impl_available, make_rollout_func, resolve_backend
 from cbverify.trl_scenario import TrainerScenario, build_trainer
 
 
@@ -62,13 +62,30 @@ def feature_support() -> dict[str, str | None]:
     return out
 
 
+HOOKS = ("_generate", "_calculate_rewards", "_generate_and_score_completions", "_compute_loss",
+         "_get_per_token_logps_and_entropies")  # fmt: skip
+
+
+def missing_hooks(trainer: str) -> str | None:
+    """The private trainer methods :mod:`cbverify.trl_capture` wraps that this TRL lacks, named, or ``None``."""
+    import trl
+
+    cls = trl.GRPOTrainer if trainer == "grpo" else trl.RLOOTrainer
+    missing = [h for h in HOOKS if not hasattr(cls, h)]
+    return f"trl {trl.__version__} {cls.__name__} lacks {', '.join(missing)} (hook points)" if missing else None
+
+
 def not_applicable(scenario: TrainerScenario) -> str | None:
     """Why ``scenario`` cannot run on the installed stack, or ``None``."""
     support = feature_support()
     if support.get(scenario.path):
         return support[scenario.path]
+    if hooks := missing_hooks(scenario.trainer):
+        return hooks
     if scenario.path == "rollout_func" and scenario.trainer != "grpo":
-        return "RLOOTrainer (trl 1.16) offers no rollout_func"
+        return f"RLOOTrainer (trl {versions()['trl']}) offers no rollout_func"
+    if scenario.path == "rollout_func" and scenario.rollout_backend == "cb_impl" and not cb_impl_available():
+        return "cb_impl.trl.make_rollout_func is not importable"
     if scenario.path == "cb" and scenario.cb_return_logprobs and support["cb_return_logprobs"]:
         return support["cb_return_logprobs"]
     if scenario.bf16 and not torch.cuda.is_available() and not _cpu_bf16_ok():

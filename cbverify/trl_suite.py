@@ -82,6 +82,8 @@ DEFAULT_SCENARIOS: tuple[TrainerScenario, ...] = tuple(
         dict(path="generate", top_k=3, is_correction=True),
         dict(path="cb", top_k=3, is_correction=True, cb_return_logprobs=True),
         dict(path="rollout_func", top_k=3, is_correction=True, rollout_backend="reference"),
+        dict(path="rollout_func", top_k=3, is_correction=True, rollout_backend="cb_impl"),
+        dict(path="rollout_func", bf16=True, greedy=True, rollout_backend="cb_impl"),
         dict(path="generate", greedy=True, loss_type="grpo", gradient_accumulation_steps=2),
         dict(path="generate", num_generations=3, reward="constant"),
         dict(path="cb", greedy=True, loss_type="grpo", gradient_accumulation_steps=2),
@@ -117,10 +119,12 @@ def greedy_agreement(model, tokenizer, base: TrainerScenario = GREEDY_AGREEMENT)
     if not base.greedy:
         raise ValueError("greedy_agreement needs a greedy scenario")
     captures = {}
-    for path in ("generate", "cb", "rollout_func"):
-        scenario = replace(base, path=path)
+    variants = [("generate", "generate", "auto"), ("cb", "cb", "auto"), ("rollout_func[reference]", "rollout_func",
+                "reference"), ("rollout_func[cb_impl]", "rollout_func", "cb_impl")]  # fmt: skip
+    for label, path, backend in variants:
+        scenario = replace(base, path=path, rollout_backend=backend)
         if not_applicable(scenario) is None:
-            captures[path] = run_scenario(scenario, model, tokenizer)
+            captures[label] = run_scenario(scenario, model, tokenizer)
     return greedy_paths_agree(captures, base.describe())
 
 
