@@ -101,7 +101,6 @@ def choose_tokens(
 ) -> torch.Tensor:
     """``argmax(processed.double() + gumbel)`` per row (Rs,), with the candidate shortcut where allowed."""
     rs, vocab = processed.shape
-    keys = noise_keys(b.seeds, b.positions)  # (Rs,)
     tokens = torch.empty(rs, dtype=torch.int64, device=processed.device)
     use_short = shortcut.tolist() if candidates is not None else [False] * rs  # one host sync per step
     short = [i for i, s in enumerate(use_short) if s]
@@ -112,8 +111,9 @@ def choose_tokens(
         tokens[idx] = (processed[idx].double() + noise).argmax(dim=-1)
     if short:
         idx = torch.tensor(short, device=processed.device)
+        keys = noise_keys(b.seeds[idx], b.positions[idx])  # (S,)
         cand = candidates[idx].sort(dim=-1).values  # (S, K) ascending ids: argmax ties -> lowest id
-        scores = processed[idx].gather(1, cand).double() + bits_to_gumbel(noise_bits(keys[idx, None], cand))  # (S, K)
+        scores = processed[idx].gather(1, cand).double() + bits_to_gumbel(noise_bits(keys[:, None], cand))  # (S, K)
         tokens[idx] = cand.gather(1, scores.argmax(dim=-1, keepdim=True)).squeeze(1)
     return tokens
 
