@@ -148,8 +148,8 @@ def render_text(env: dict[str, str], rows: Sequence[EngineRow], *, color: bool) 
             cells[1] = paint.get(line[1], "") + cells[1] + "\033[0m"
         out.append("  ".join(cells).rstrip())
     for row in rows:
-        for item in row.problems + row.divergences:
-            out.append(f"\n[{row.engine}] {item}")
+        out += [f"\n[{row.engine}] {item}" for item in row.problems]
+        out += [f"\n{item}" for item in row.divergences]  # Divergence.describe() names the engine itself
     return "\n".join(out)
 
 
