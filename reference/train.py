@@ -51,12 +51,12 @@ class TrainConfig:
     engine: str = "reference"
     steps: int = 30
     num_prompts: int = 4
-    num_generations: int = 8
+    num_generations: int = 4
     min_terms: int = 2
     max_terms: int = 4
     max_new_tokens: int = 48
     temperature: float = 1.0
-    learning_rate: float = 2e-4
+    learning_rate: float = 1e-4
     max_grad_norm: float = 1.0
     num_iterations: int = 1
     scale_rewards: str = "group"
