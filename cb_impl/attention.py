@@ -31,10 +31,12 @@ from cb_impl.kv_cache import PagedKVCache
 @dataclass(frozen=True, slots=True)
 class AttentionGroup:
     """Sequences attended together: ``q_index`` (S, Q) rows of the packed T (padding -> row of the first query),
-    ``q_valid`` (S, Q), ``kv_slots`` (S, L) cache slots, ``mask`` (S, 1, Q, L) True = attend."""
+    ``valid_flat`` (N,) the real entries of the flattened (S * Q) grid and ``dst_rows`` (N,) their packed rows,
+    ``kv_slots`` (S, L) cache slots, ``mask`` (S, 1, Q, L) True = attend."""
 
     q_index: torch.Tensor  # (S, Q)
-    q_valid: torch.Tensor  # (S, Q)
+    valid_flat: torch.Tensor  # (N,)
+    dst_rows: torch.Tensor  # (N,)
     kv_slots: torch.Tensor  # (S, L)
     mask: torch.Tensor | None  # (S, 1, Q, L); None when no entry is masked
 
@@ -64,12 +66,14 @@ def build_group(
     k_valid = k[None, :] < (starts_t + lengths_t)[:, None]  # (S, L)
     rows = torch.arange(len(starts), device=device)[:, None].expand(-1, l_max)  # (S, L)
     kv_slots = slots_of(rows, torch.where(k_valid, k[None, :], 0))  # (S, L)
+    valid_flat = q_valid.flatten().nonzero().squeeze(1)  # (N,) once per step, not per layer
+    dst_rows = q_index.flatten()[valid_flat]  # (N,)
     if q_max == 1 and all_full:
-        return AttentionGroup(q_index, q_valid, kv_slots, None)  # decodes of equal context: nothing to mask
+        return AttentionGroup(q_index, valid_flat, dst_rows, kv_slots, None)  # equal-context decodes: no mask
     q_pos = starts_t[:, None] + q[None, :]  # (S, Q)
     mask = (k[None, None, :] <= q_pos[:, :, None]) & q_valid[:, :, None]  # (S, Q, L)
     mask |= (~q_valid)[:, :, None] & (k == 0)[None, None, :]  # padded query rows see column 0 only
-    return AttentionGroup(q_index, q_valid, kv_slots, mask[:, None])
+    return AttentionGroup(q_index, valid_flat, dst_rows, kv_slots, mask[:, None])
 
 
 class PagedAttention:
@@ -112,7 +116,8 @@ class PagedAttention:
             kg = k_cache[g.kv_slots].transpose(1, 2).to(q.dtype)  # (S, Hkv, L, D)
             vg = v_cache[g.kv_slots].transpose(1, 2).to(q.dtype)  # (S, Hkv, L, D)
             og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scaling, enable_gqa=True)
-            out[g.q_index[g.q_valid]] = og.transpose(1, 2)[g.q_valid].to(out.dtype)  # (S, Q, Hq, D) -> valid rows
+            og = og.transpose(1, 2).flatten(0, 1)  # (S * Q, Hq, D)
+            out[g.dst_rows] = og[g.valid_flat].to(out.dtype)  # valid rows only
         return out[None], None  # (1, T, Hq, D)
 
     def _targets(self, model: torch.nn.Module) -> list:
