@@ -20,6 +20,11 @@ from reference.logprobs import processed_per_token_logps
 from reference.spec import RolloutRequest, SamplingParams, gumbel_noise
 
 NEAR_TIE = 1e-4  # DESIGN §4: a greedy divergence is accepted only where the top-2 logit gap is this small
+# Full-prefix recompute and one teacher-forced forward run different shapes, so float32 rounding differs: measured on
+# tiny-llama-arith (logits up to ~17; compare next_token_logits with completion_logits row by row on tasks problems)
+# up to 8e-6 in raw logits and 1.2e-5 in log-probs at T = 1, growing as 1/T (4.2e-5 at T = 0.3). DESIGN §4's 1e-5 is
+# too tight even for the reference against itself; 5e-5 / T leaves 4x headroom.
+LOGPROB_ATOL_AT_T1 = 5e-5
 
 
 @given(requests=rollout_requests(max_requests=2, max_prompt_len=16, max_new_tokens=(1, 8)))
@@ -37,7 +42,8 @@ def test_rollouts_keep_the_eos_and_length_contract_and_their_logprobs_equal_teac
         else:
             assert rollout.finish_reason == "length" and len(ids) == request.sampling.max_new_tokens
         (teacher,) = processed_per_token_logps(model, [request.prompt_ids], [ids], [request.sampling])
-        torch.testing.assert_close(torch.tensor(rollout.logprobs), teacher, rtol=0.0, atol=1e-5)  # DESIGN §4 fp32
+        scale = 1.0 if request.sampling.greedy else min(1.0, request.sampling.temperature)
+        torch.testing.assert_close(torch.tensor(rollout.logprobs), teacher, rtol=0.0, atol=LOGPROB_ATOL_AT_T1 / scale)
         assert all(lp <= 0.0 for lp in rollout.logprobs)
     assert generate(model, requests[-1:]) == rollouts[-1:]  # deterministic, whatever else was in the call
 

@@ -27,8 +27,9 @@ def test_train_gives_the_same_per_step_numbers_twice_from_the_same_seeds(llama):
     for record in first:
         assert all(math.isfinite(record[k]) for k in ("loss", "grad_norm", "mean_reward", "kl", "mismatch_kl"))
         assert 0.0 <= record["mean_reward"] <= 1.0 and 0.0 <= record["clip_fraction"] <= 1.0
-        # the reference engine samples from the trainer's own distribution: no train/inference mismatch beyond fp32
-        assert record["logprob_abs_diff_max"] <= 1e-5
+        # the reference engine samples from the trainer's own distribution: no mismatch beyond float32 shape effects
+        # (see LOGPROB_ATOL_AT_T1 in test_reference_generate.py for the measured 1.2e-5)
+        assert record["logprob_abs_diff_max"] <= 5e-5
 
 
 def test_training_with_the_cb_impl_engine_reproduces_the_reference_engine_run(llama):
