@@ -44,6 +44,7 @@ class SuiteConfig:
     temperature: float = 1.0
     seed: int = 0
     time_forwards: bool = True
+    profile: bool = False
 
     def __post_init__(self) -> None:
         for name, values, allowed in (("workload", self.workloads, WORKLOADS), ("engine", self.engines, ENGINES)):
@@ -67,6 +68,8 @@ def worker_command(config: SuiteConfig, engine: str, workload: str, out: Path) -
         cmd += ["--dtype", config.dtype]
     if config.temperature == 0:
         cmd.append("--keep-tokens")
+    if config.profile:
+        cmd.append("--profile")
     return cmd
 
 

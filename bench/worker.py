@@ -10,9 +10,13 @@ worker exits 1, so nothing fails silently.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import sys
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -33,7 +37,21 @@ def warmup_workload(workload: Workload) -> Workload:
                          temperature=workload.temperature)  # fmt: skip
 
 
+def profile(engine: str, fn, path: Path) -> None:
+    """cProfile of one extra, untimed run: the 30 functions with the most own time, then the 30 most cumulative."""
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    text = io.StringIO()
+    text.write(f"# cProfile of one untimed {engine} run (the timed run was not profiled)\n")
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(30)
+    path.write_text(text.getvalue())
+
+
 def run_case(model, vocab_size: int, workload: Workload, engine: str, args: argparse.Namespace) -> dict:
+    n = workload.num_generations
     requests = make_requests(workload, vocab_size=vocab_size)
     budget = kv_budget_tokens(workload, requests, headroom=args.kv_headroom)
     opts = EngineOptions(device=args.device, pad_token_id=0, num_blocks=-(-budget // CB_IMPL_BLOCK_SIZE),
@@ -44,6 +62,8 @@ def run_case(model, vocab_size: int, workload: Workload, engine: str, args: argp
     base_rss = measure.rss_mb()
     run = RUNNERS[engine](model, requests, opts)
     memory = measure.peak_memory(args.device, baseline, base_rss)
+    if args.profile:
+        profile(engine, lambda: RUNNERS[engine](model, requests, opts), Path(args.out).with_suffix(f".N{n}.prof.txt"))
     lengths = [len(c) for c in run.completions]
     tokens = sum(lengths)
     necessary = measure.necessary_tokens(requests, lengths)
@@ -80,6 +100,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="time each model forward (engine overhead per step); syncs CUDA around forwards",
     )
+    parser.add_argument("--profile", action="store_true", help="also cProfile one untimed run per case (logs/)")
     parser.add_argument("--keep-tokens", action="store_true", help="store completion token ids (greedy checks)")
     parser.add_argument("--out", required=True, help="JSON-lines file receiving one record per case")
 

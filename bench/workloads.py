@@ -17,6 +17,7 @@ full CPU run fits ~10 minutes on 2 cores. Override any of them from the CLI (``-
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from dataclasses import dataclass, replace
@@ -49,8 +50,13 @@ class LengthDist:
 
     def mean(self) -> float:
         """The clipped mean, by a fixed-seed Monte Carlo of 20k draws (a priori: independent of any run's seed)."""
-        draws = self.sample(random.Random(0), 20_000)
-        return sum(draws) / len(draws)
+        return _monte_carlo_mean(self)
+
+
+@functools.lru_cache(maxsize=256)
+def _monte_carlo_mean(dist: LengthDist) -> float:
+    draws = dist.sample(random.Random(0), 20_000)
+    return sum(draws) / len(draws)
 
 
 @dataclass(frozen=True, slots=True)

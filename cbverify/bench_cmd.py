@@ -72,6 +72,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="tiny-llama-arith",
         help="bundled name or local checkpoint (with its tokenizer) for the GRPO-step benchmark",
     )
+    parser.add_argument("--profile", action="store_true",
+                        help="cProfile one extra untimed run per case into OUT/logs/*.prof.txt")  # fmt: skip
     parser.add_argument("--strict-targets", action="store_true", help="exit 1 when an issue-8 target is missed")
 
 
@@ -90,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
                          kv_headroom=args.kv_headroom, max_batch_tokens=args.max_batch_tokens,
                          temperature=args.temperature, seed=args.seed,
                          time_forwards=not args.device.startswith("cuda") if args.time_forwards is None
-                         else args.time_forwards)  # fmt: skip
+                         else args.time_forwards, profile=args.profile)  # fmt: skip
     result = run_suite(config, out)
     if args.grpo:
         from bench.grpo_step import GrpoConfig, run_grpo
