@@ -99,7 +99,7 @@ _SIZES: dict[str, dict[str, dict]] = {
     "cpu": {
         "gsm8k-like": dict(num_prompts=2, prompt_len=LengthDist(50, 0.3, 16, 128),
                            completion_len=LengthDist(64, 0.55, 8, 192), max_new_tokens=192),
-        "uniform": dict(num_prompts=2, prompt_len=LengthDist(50, 0.3, 16, 128),
+        "uniform": dict(num_prompts=1, prompt_len=LengthDist(50, 0.3, 16, 128),
                         completion_len=LengthDist(64, 0.0, 64, 64), max_new_tokens=64),
         "arith": dict(num_prompts=4, prompt_len=LengthDist(1, 0.0, 1, 1), completion_len=None, max_new_tokens=128),
     },
