@@ -81,8 +81,9 @@ class PagedAttention:
 
     _ids = itertools.count()
 
-    def __init__(self, cache: PagedKVCache) -> None:
+    def __init__(self, cache: PagedKVCache, compute_dtype: torch.dtype | None = None) -> None:
         self.cache = cache
+        self.compute_dtype = compute_dtype  # None: the query's dtype
         self.metadata: StepMetadata | None = None
         self._swap: tuple[torch.nn.Module, list] | None = None
         self.name = f"cb_impl_paged_{next(self._ids)}"
@@ -112,9 +113,10 @@ class PagedAttention:
         out = torch.empty_like(q)  # (T, Hq, D)
         k_cache, v_cache = self.cache.key[layer], self.cache.value[layer]  # (slots, Hkv, D)
         for g in meta.groups:
-            qg = q[g.q_index].transpose(1, 2)  # (S, Hq, Q, D)
-            kg = k_cache[g.kv_slots].transpose(1, 2).to(q.dtype)  # (S, Hkv, L, D)
-            vg = v_cache[g.kv_slots].transpose(1, 2).to(q.dtype)  # (S, Hkv, L, D)
+            dtype = self.compute_dtype or q.dtype
+            qg = q[g.q_index].transpose(1, 2).to(dtype)  # (S, Hq, Q, D)
+            kg = k_cache[g.kv_slots].transpose(1, 2).to(dtype)  # (S, Hkv, L, D)
+            vg = v_cache[g.kv_slots].transpose(1, 2).to(dtype)  # (S, Hkv, L, D)
             og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scaling, enable_gqa=True)
             og = og.transpose(1, 2).flatten(0, 1)  # (S * Q, Hq, D)
             out[g.dst_rows] = og[g.valid_flat].to(out.dtype)  # valid rows only

@@ -125,5 +125,7 @@ def test_cb_generate_equals_incremental_arrivals_for_the_same_requests(llama, sh
     order = list(reversed(range(len(requests))))
     incremental = run_with_arrivals(LLMEngine(model, config), requests, order, [0, 0, 1, 3, 3, 7])
     assert [r.completion_ids for r in batch] == [r.completion_ids for r in incremental]
+    # each side is within the tier of the reference, so the two sides are within twice the tier of each other
     assert max(abs(a - b) for x, y in zip(batch, incremental, strict=True)
-               for a, b in zip(x.logprobs, y.logprobs, strict=True)) <= FP32.logprob_max_abs  # fmt: skip
+               for a, b in zip(x.logprobs, y.logprobs, strict=True)) <= 2 * FP32.logprob_max_abs  # fmt: skip
+    assert_matches_reference(model, requests, incremental, repro=f"incremental arrivals, sharing={sharing}")
