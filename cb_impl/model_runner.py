@@ -79,8 +79,11 @@ class ModelRunner:
             starts.append(start)
             lengths.append(n)
         width = max(len(seq.block_table) for seq, _ in batch.chunks)
-        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s, _ in batch.chunks],
-                              dtype=torch.int64, device=dev)  # (C, W) fmt: skip
+        tables = torch.tensor(
+            [s.block_table + [0] * (width - len(s.block_table)) for s, _ in batch.chunks],
+            dtype=torch.int64,
+            device=dev,
+        )  # (C, W) fmt: skip
         starts_t, lengths_t, offsets_t = torch.tensor([starts, lengths, offsets], dtype=torch.int64, device=dev)
         chunk_of = torch.repeat_interleave(torch.arange(len(starts), device=dev), lengths_t)  # (T,)
         positions = starts_t[chunk_of] + torch.arange(len(input_ids), device=dev) - offsets_t[chunk_of]  # (T,)
@@ -122,4 +125,3 @@ class ModelRunner:
         logits = out.logits[0]  # (U, V)
         rows = torch.tensor([chunk_rows[c] for _, c in batch.samples], dtype=torch.int64, device=self.device)
         return logits[rows]  # (R, V)
-

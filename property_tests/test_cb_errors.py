@@ -76,9 +76,16 @@ def test_cb_rejects_duplicate_request_ids_within_a_call_and_against_running_requ
 
 
 def test_cb_rejects_invalid_configs_and_multimodal_models(llama):
-    bad_configs = (dict(block_size=0), dict(num_blocks=0), dict(max_batch_tokens=-1), dict(max_num_seqs=True),
-                   dict(max_memory_fraction=0.0), dict(max_memory_fraction=1.5), dict(enable_prefix_sharing=1),
-                   dict(float64_attention=1))
+    bad_configs = (
+        dict(block_size=0),
+        dict(num_blocks=0),
+        dict(max_batch_tokens=-1),
+        dict(max_num_seqs=True),
+        dict(max_memory_fraction=0.0),
+        dict(max_memory_fraction=1.5),
+        dict(enable_prefix_sharing=1),
+        dict(float64_attention=1),
+    )
     for bad in bad_configs:
         with pytest.raises(ValueError, match="EngineConfig"):
             EngineConfig(**bad)

@@ -90,4 +90,3 @@ def test_cb_rollout_func_trains_grpo_for_a_few_steps_with_one_live_engine(llama,
     assert inner.engine.stats["num_shared_prefills"] > 0, inner.engine.stats
     assert model.config._attn_implementation == original_attn
     assert not inner.engine.has_unfinished()
-
