@@ -9,7 +9,7 @@ import pytest
 
 from reference.train import TrainConfig, build_parser, train
 
-TINY = {"steps": 2, "num_prompts": 1, "num_generations": 3, "max_new_tokens": 10, "min_terms": 2, "max_terms": 2}
+TINY = {"steps": 2, "num_prompts": 1, "num_generations": 2, "max_new_tokens": 8, "min_terms": 2, "max_terms": 2}
 TIMING_KEYS = ("step_time_s",)
 
 
