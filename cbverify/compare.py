@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from cbverify.engines import Capabilities, LogprobSemantics
-from cbverify.tolerances import Tier
+from cbverify.tolerances import Tier, logprob_scale
 from reference import logprobs as ref_logprobs
 from reference.generate import process_logits
 from reference.metrics import mismatch_metrics
@@ -178,14 +178,22 @@ class LogprobDiff:
     worst_position: int | None
 
 
-def logprob_diffs(rollouts: Sequence[Rollout], expected: Sequence[torch.Tensor]) -> LogprobDiff:
-    """Compare each rollout's returned ``logprobs`` with ``expected`` (same shapes). Inf/NaN count as inf."""
+def logprob_diffs(
+    rollouts: Sequence[Rollout], expected: Sequence[torch.Tensor], requests: Sequence[RolloutRequest] | None = None
+) -> LogprobDiff:
+    """Compare each rollout's returned ``logprobs`` with ``expected`` (same shapes). Inf/NaN count as inf.
+
+    With ``requests``, each rollout's differences are multiplied by ``tolerances.logprob_scale(request.sampling)``
+    (``min(1, T)``: compare in logit units, see there), which is how every check in the suite calls it.
+    """
     worst, worst_at, total, count = -1.0, (None, None), 0.0, 0
-    for rollout, exp in zip(rollouts, expected, strict=True):
+    scales = [logprob_scale(r.sampling) for r in requests] if requests is not None else [1.0] * len(rollouts)
+    for rollout, exp, scale in zip(rollouts, expected, scales, strict=True):
         got = torch.tensor(rollout.logprobs, dtype=torch.float64)  # (L,)
         diff = (got - exp.double().cpu()).abs()  # (L,)
         diff = torch.where(torch.isfinite(diff), diff, torch.full_like(diff, float("inf")))
         diff = torch.where(torch.isneginf(got) & torch.isneginf(exp.double().cpu()), torch.zeros_like(diff), diff)
+        diff = diff * scale
         if diff.numel():
             i = int(torch.argmax(diff))
             if float(diff[i]) > worst:

@@ -93,7 +93,8 @@ def chi_square_node(observed: Counter, probs: torch.Tensor) -> tuple[float, int,
             bins.append([])
         bins[-1].append(t)
     if len(bins) > 1 and float(expected[bins[-1]].sum()) < MIN_EXPECTED:
-        bins[-2] += bins.pop()
+        last = bins.pop()
+        bins[-1] += last
     f_obs = [float(sum(observed.get(t, 0) for t in b)) for b in bins]
     f_exp = [float(expected[b].sum()) for b in bins]
     residuals = {t: abs(observed.get(t, 0) - float(expected[t])) / float(expected[t]) ** 0.5 for t in support}

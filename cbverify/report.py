@@ -94,7 +94,7 @@ def evaluate_engine(
                 row.problems.append(f"request {request.request_id!r}: tokens diverge at position {div.position}")
     if caps.logprob_semantics != "none":
         expected = compare.teacher_forced_logprobs(model, requests, rollouts, caps.logprob_semantics)
-        diff = compare.logprob_diffs(rollouts, expected)
+        diff = compare.logprob_diffs(rollouts, expected, requests)
         row.logprob_max_diff, row.logprob_mean_diff = diff.max_abs, diff.mean_abs
         if diff.max_abs > tier.logprob_max_abs or diff.mean_abs > tier.logprob_mean_abs:
             row.problems.append(

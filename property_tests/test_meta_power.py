@@ -31,7 +31,7 @@ def model(qwen2):
 
 def logprob_check_fails(model, engine, requests) -> bool:
     got = engine.generate(requests)
-    diff = compare.logprob_diffs(got, compare.teacher_forced_logprobs(model, requests, got, "processed"))
+    diff = compare.logprob_diffs(got, compare.teacher_forced_logprobs(model, requests, got, "processed"), requests)
     return diff.max_abs > FP32.logprob_max_abs or diff.mean_abs > FP32.logprob_mean_abs
 
 
