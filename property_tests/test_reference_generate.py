@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from scipy import stats
 from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
@@ -117,6 +117,7 @@ def test_greedy_equals_transformers_generate_without_sampling(bundled_model):
     values=st.lists(st.integers(-400, 400), min_size=2, max_size=48, unique=True),
     sampling=sampling_params(greedy=False),
 )
+@example(values=[-32, -42, -92, -93], sampling=SamplingParams(temperature=1.0, top_k=3, top_p=0.85))  # order matters
 def test_process_logits_keeps_the_same_tokens_and_probabilities_as_transformers_warpers(values, sampling):
     logits = torch.tensor(values, dtype=torch.float32) / 40.0  # distinct logits: no ties at a top-p boundary
     scores = logits[None, :] / sampling.temperature
