@@ -51,13 +51,25 @@ class Finding:
     architectures: tuple[str, ...] = ()  # config.model_type values it affects; () means every architecture
     repro_model: str = "tiny-qwen2-random"  # the bundled model the repro runs on
     data_dependent: bool = False  # shows for some data only: a PASS elsewhere is no sign of a fix (the repro is)
+    transformers: str = ""  # PEP 440 specifier of the transformers versions it shows on ("" = every version seen)
 
     def covers(self, result: CheckResult, scenario, model_type: str) -> bool:
         arch_ok = not self.architectures or model_type in self.architectures
-        return result.check in self.checks and self.path in ("*", result.path) and self.applies(scenario) and arch_ok
+        hit = result.check in self.checks and self.path in ("*", result.path) and self.applies(scenario)
+        return hit and arch_ok and self.on_installed_version()
+
+    def on_installed_version(self) -> bool:
+        if not self.transformers:
+            return True
+        import transformers
+        from packaging.specifiers import SpecifierSet
+
+        return transformers.__version__ in SpecifierSet(self.transformers)
 
 
 PINNED = "transformers 5.24.0 + trl 1.16.0 (+ accelerate 1.15.0)"
+ALL_SEEN = "transformers 5.8.0, 5.16.0 and 5.24.0 with trl 1.16.0 (+ accelerate 1.15.0)"  # the matrix run
+AFTER_5_16 = "transformers 5.24.0 + trl 1.16.0; not 5.8.0 or 5.16.0 (versions in between untested)"
 
 FINDINGS: tuple[Finding, ...] = (
     Finding(
@@ -66,7 +78,8 @@ FINDINGS: tuple[Finding, ...] = (
         path="cb",
         when="bf16=True, Llama",
         applies=lambda s: s.bf16,
-        affected=PINNED,
+        affected=AFTER_5_16,
+        transformers=">5.16.0",
         evidence="every CB request FAILED: LlamaModel.forward returns the cache it is given whatever use_cache says "
         "(Qwen2Model returns None with use_cache off, as CB calls it), and accelerate's mixed-precision forward "
         "wrapper calls .float() on that PagedAttentionCache "
@@ -82,7 +95,7 @@ FINDINGS: tuple[Finding, ...] = (
         path="cb",
         when="bf16=True",
         applies=lambda s: s.bf16,
-        affected=PINNED,
+        affected=ALL_SEEN,
         evidence="GRPOTrainer._generate_single_turn runs unwrapped_model.to(torch.bfloat16) before generate_batch "
         "and never casts back: all trained parameters float32 -> bfloat16 (the optimizer then updates bf16 "
         "weights); the probe forward after generation differs (max |diff| ~6e-3 on a random tiny Llama)",
@@ -94,7 +107,7 @@ FINDINGS: tuple[Finding, ...] = (
         path="cb",
         when="trainer.evaluate()",
         applies=lambda s: s.evaluate,
-        affected=PINNED,
+        affected=ALL_SEEN,
         evidence="GRPOTrainer._generate_single_turn calls unwrapped_model.train() after generate_batch whatever the "
         "mode was: generation during evaluate() leaves the model in train mode, and _compute_loss then takes the "
         "train branch and raises AttributeError: no attribute 'current_gradient_accumulation_steps'",
@@ -106,7 +119,8 @@ FINDINGS: tuple[Finding, ...] = (
         path="cb",
         when="greedy (RNG is compared only where no sampling may consume it)",
         applies=lambda s: s.greedy,
-        affected=PINNED,
+        affected="transformers 5.16.0 and 5.24.0 + trl 1.16.0; not 5.8.0",
+        transformers=">5.8.0",
         evidence="ContinuousBatchingManager.__init__ -> DistributedHelper.set_tp_seed calls torch.manual_seed(...) "
         "on every generate_batch (with the config's seed, or one drawn from the global RNG): greedy generation, "
         "which samples nothing, still replaces the global torch RNG state",
@@ -118,7 +132,7 @@ FINDINGS: tuple[Finding, ...] = (
         path="cb",
         when="transformers_continuous_batching_config return_logprobs=True",
         applies=lambda s: s.cb_return_logprobs,
-        affected=PINNED,
+        affected=ALL_SEEN,
         evidence="transformers returns one log-prob per generated token (GenerationOutput.logprobs) but "
         "GRPOTrainer._generate_single_turn sets logprobs = None on the CB path: no sampling_per_token_logps ever "
         "reaches the trainer",
@@ -130,7 +144,7 @@ FINDINGS: tuple[Finding, ...] = (
         path="*",
         when="vllm_importance_sampling_correction=True",
         applies=lambda s: s.is_correction,
-        affected=PINNED,
+        affected=ALL_SEEN,
         evidence="the only IS-correction switch is gated on use_vllm in _generate_and_score_completions and "
         "_compute_loss: with generate(), CB or a rollout_func that returns log-probs, no importance_sampling_ratio "
         "is computed or applied and nothing warns",
@@ -142,7 +156,8 @@ FINDINGS: tuple[Finding, ...] = (
         path="cb",
         when="repetition_penalty != 1.0",
         applies=lambda s: s.repetition_penalty != 1.0,
-        affected=PINNED,
+        affected=AFTER_5_16,
+        transformers=">5.16.0",
         evidence="ContinuousBatchingLogitsProcessorList drops RepetitionPenaltyLogitsProcessor "
         "(supports_continuous_batching=False, drop_unsupported_processors=True) with only a logger warning: "
         "greedy CB tokens are the argmax of the unpenalised logits",
@@ -154,12 +169,25 @@ FINDINGS: tuple[Finding, ...] = (
         path="*",
         when="a group of equal rewards whose float32 mean is inexact (e.g. three rewards of 5/7)",
         applies=lambda s: True,
-        affected=PINNED,
+        affected=ALL_SEEN,
         evidence="_generate_and_score_completions computes group mean/std in float32: rewards [5/7]*3 give "
         "reward - mean = 5.96e-8, divided by (std + 1e-4) -> advantage 5.96e-4 for every member instead of 0 "
         "(same sign for the whole group); the float64 reference gives 0",
         repro=TrainerScenario(path="generate", num_generations=3, reward="constant"),
         data_dependent=True,
+    ),
+    Finding(
+        id="cb-leaves-paged-attention-for-training",
+        checks=("generation_keeps_attn_and_config", "generation_keeps_forward", "trainer_logprobs_match_reference"),
+        path="cb",
+        when="any scenario",
+        applies=lambda s: True,
+        affected="transformers 5.8.0 + trl 1.16.0; not 5.16.0 or 5.24.0 (versions in between untested)",
+        transformers="<5.16.0",
+        evidence="after generate_batch the model's attention implementation stays 'paged|sdpa' (was 'sdpa'): the "
+        "training forward then differs (probe max |diff| 18.4) and the trainer's per-token log-probs are off the "
+        "reference by up to 0.79 (fp32), i.e. the policy gradient is computed with the wrong attention",
+        repro=TrainerScenario(path="cb", greedy=True, loss_type="grpo", gradient_accumulation_steps=2),
     ),
 )
 

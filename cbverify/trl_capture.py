@@ -77,6 +77,7 @@ class LossRecord:
     reference_logps: list[torch.Tensor]  # B tensors (L_i,) from reference.logprobs.per_token_logps
     loss: float
     accumulation_steps: int
+    logps_grad: list[torch.Tensor] = field(default_factory=list)  # d(loss)/d(per_token_logps), filled by backward
 
 
 @dataclass
@@ -163,10 +164,13 @@ def _wrap_loss(trainer, capture: Capture) -> None:
 
     def loss(model, inputs):
         seen: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
 
         def logps(*args, **kwargs):
             out = original_logps(*args, **kwargs)
             seen.append(out[0].detach().clone())
+            if out[0].requires_grad:  # the backward pass TRL runs later hands us dL/dlogps
+                out[0].register_hook(lambda g: grads.append(g.detach().clone()))
             return out
 
         plain = unwrap(trainer)
@@ -185,6 +189,7 @@ def _wrap_loss(trainer, capture: Capture) -> None:
                 inputs={k: _detach(v) for k, v in inputs.items()},
                 per_token_logps=seen[0], reference_logps=[r.cpu() for r in ref], loss=float(value.detach()),
                 accumulation_steps=int(getattr(trainer, "current_gradient_accumulation_steps", 1) or 1),
+                logps_grad=grads,
             )
         )  # fmt: skip
         return value

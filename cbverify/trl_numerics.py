@@ -110,30 +110,31 @@ def loss_matches_reference(scenario: TrainerScenario, capture: Capture, trainer_
                         epsilon_high=trainer_args["epsilon_high"], delta=trainer_args["delta"],
                         importance_sampling_level=scenario.importance_sampling_level,
                         max_completion_length=scenario.max_completion_length)  # fmt: skip
-    worst = 0.0
+    worst, worst_grad = 0.0, 0.0
     for record in capture.losses:
         x = record.inputs
         old = x.get("old_per_token_logps")
         items = None
         if "num_items_in_batch" in x:  # TRL rescales the generation batch's count to one accumulation window
             items = float(x["num_items_in_batch"]) * record.accumulation_steps / trainer_args["steps_per_generation"]
-        ref = grpo_loss(
-            record.per_token_logps.double(),
-            None if old is None else old.double(),
-            None,
-            None,
-            x["advantages"].double(),
-            x["completion_mask"].double(),
-            config,
-            num_items_in_batch=items,
-        )
-        expected = float(ref.loss)
-        if scenario.loss_type in ("grpo", "bnpo", "dr_grpo"):
-            expected /= record.accumulation_steps  # TRL divides these by the accumulation steps itself
+        per = record.per_token_logps.double().requires_grad_(True)
+        ref = grpo_loss(per, None if old is None else old.double(), None, None, x["advantages"].double(),
+                        x["completion_mask"].double(), config, num_items_in_batch=items)  # fmt: skip
+        scale = record.accumulation_steps if scenario.loss_type in ("grpo", "bnpo", "dr_grpo") else 1
+        expected = float(ref.loss) / scale  # TRL divides these loss types by the accumulation steps itself
         if abs(record.loss - expected) > LOSS_ATOL + LOSS_RTOL * abs(expected):
             return [_result(check, scenario, FAIL, f"trainer loss {record.loss:.8g} != reference {expected:.8g}")]
         worst = max(worst, abs(record.loss - expected))
-    return [_result(check, scenario, PASS, f"{len(capture.losses)} loss call(s), max |diff| {worst:.1e}")]
+        if record.logps_grad:  # the loss value is ~0 on-policy; its gradient is not, and is what trains the model
+            (ref.loss / scale).backward()
+            got, want = record.logps_grad[0].double(), per.grad * x["completion_mask"].double()
+            got = got * x["completion_mask"].double()
+            if not torch.allclose(got, want, rtol=LOSS_RTOL, atol=1e-8):
+                diff = float((got - want).abs().max())
+                return [_result(check, scenario, FAIL, f"dloss/dlogps differs from the reference (max {diff:.2e})")]
+            worst_grad = max(worst_grad, float((got - want).abs().max()))
+    return [_result(check, scenario, PASS, f"{len(capture.losses)} loss call(s), max |diff| {worst:.1e}, "
+                    f"gradient max |diff| {worst_grad:.1e}")]  # fmt: skip
 
 
 def _sampling(scenario: TrainerScenario, *, relax: bool = False) -> SamplingParams:

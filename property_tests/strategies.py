@@ -251,7 +251,7 @@ def trainer_scenarios(
         path=path, trainer=trainer, num_generations=draw(st.integers(2, 3)), num_prompts=draw(st.integers(1, 2)),
         max_completion_length=draw(st.integers(*max_completion_length)),
         temperature=draw(st.sampled_from([0.7, 1.0, 1.3])), top_k=draw(st.sampled_from([0, 0, 3])),
-        top_p=draw(st.sampled_from([1.0, 1.0, 0.8])), greedy=is_greedy,
+        top_p=draw(st.sampled_from([1.0, 1.0, 0.8])), min_p=draw(st.sampled_from([0.0, 0.0, 0.2])), greedy=is_greedy,
         bf16=draw(st.booleans()) if bf16 is None else bf16,
         gradient_accumulation_steps=draw(st.integers(1, 2)),
         loss_type=draw(st.sampled_from(["dapo", "grpo", "bnpo", "dr_grpo", "cispo"])),
