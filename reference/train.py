@@ -207,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
         default = getattr(defaults, field.name)
         kind = {"int": int, "float": float}.get(str(field.type).split(" ")[0], str)  # "float | None" -> float
         flag = "--" + field.name.replace("_", "-")
-        extra = {"choices": ENGINES} if field.name == "engine" else {}
+        choices = {"engine": ENGINES, "loss_type": LOSS_TYPES, "scale_rewards": SCALE_REWARDS, "is_correction": IS_MODES}
+        extra = {"choices": choices[field.name]} if field.name in choices else {}
         help_text = f"{helps[field.name]} (default: {default})"
         parser.add_argument(flag, type=kind, default=default, help=help_text, **extra)
     parser.add_argument("--json", action="store_true", help="print one JSON object per step instead of a table row")
