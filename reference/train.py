@@ -207,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
         default = getattr(defaults, field.name)
         kind = {"int": int, "float": float}.get(str(field.type).split(" ")[0], str)  # "float | None" -> float
         flag = "--" + field.name.replace("_", "-")
-        choices = {"engine": ENGINES, "loss_type": LOSS_TYPES, "scale_rewards": SCALE_REWARDS, "is_correction": IS_MODES}
+        choices = {"engine": ENGINES, "loss_type": LOSS_TYPES, "scale_rewards": SCALE_REWARDS,
+                   "is_correction": IS_MODES}  # fmt: skip
         extra = {"choices": choices[field.name]} if field.name in choices else {}
         help_text = f"{helps[field.name]} (default: {default})"
         parser.add_argument(flag, type=kind, default=default, help=help_text, **extra)
