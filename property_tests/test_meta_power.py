@@ -6,7 +6,10 @@ bug visible; each ``cbverify verify`` row (``report.evaluate_engine``) must also
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
+import torch
 
 from cbverify import compare, report
 from cbverify.distribution import distribution_test
@@ -109,3 +112,21 @@ def test_the_verify_row_turns_fail_for_every_faulty_adapter(model, adapter):
     assert report.evaluate_engine(ReferenceEngine(model), model, requests, reference, FP32).status == "PASS"
     row = report.evaluate_engine(adapter(model), model, requests, reference, FP32)
     assert row.status == "FAIL", row
+
+
+def test_a_token_divergence_is_accepted_exactly_inside_the_near_tie_gap(model):
+    """Swap the reference's sampled token for the runner-up at position 0 and move the tier's gap around it."""
+    def top2(request):  # (gap, runner-up) of the decision scores at position 0
+        top = torch.topk(compare.decision_scores(model, request, ()), 2)
+        return float(top.values[0] - top.values[1]), int(top.indices[1])
+
+    # the first seed whose gap is in (0, 1), so a lax threshold such as 1.0 would be caught too
+    request = next(r for r in group(SamplingParams(temperature=1.0, max_new_tokens=1), n=20) if 0 < top2(r)[0] < 1)
+    gap, runner_up = top2(request)
+    reference = ReferenceEngine(model).generate([request])[0]
+    swapped = replace(reference, completion_ids=(runner_up,))
+    for factor, accepted in ((0.999, False), (1.001, True)):
+        tier = replace(FP32, near_tie_gap=gap * factor)
+        div = compare.compare_tokens(model, request, reference, swapped, engine="swap", tier=tier)
+        assert div is not None and div.position == 0 and div.accepted is accepted, div.describe()
+    assert not compare.compare_tokens(model, request, reference, swapped, engine="swap", tier=FP32).accepted
