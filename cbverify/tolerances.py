@@ -67,6 +67,8 @@ LOW_PRECISION = Tier(
         "diverge; a plausible divergence keeps both tokens in each other's top-5, and log-probs stay within 5e-2"
     ),
 )
+
+
 def logprob_scale(sampling: SamplingParams) -> float:
     """Factor applied to |d log-prob| before comparing it with a tier's bounds: ``min(1, T)`` when sampled, else 1.
 

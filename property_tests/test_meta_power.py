@@ -116,6 +116,7 @@ def test_the_verify_row_turns_fail_for_every_faulty_adapter(model, adapter):
 
 def test_a_token_divergence_is_accepted_exactly_inside_the_near_tie_gap(model):
     """Swap the reference's sampled token for the runner-up at position 0 and move the tier's gap around it."""
+
     def top2(request):  # (gap, runner-up) of the decision scores at position 0
         top = torch.topk(compare.decision_scores(model, request, ()), 2)
         return float(top.values[0] - top.values[1]), int(top.indices[1])
