@@ -138,11 +138,12 @@ def train(config: TrainConfig, log: Callable[[dict], None] | None = None, model=
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=0.0)
     loss_config = config.loss_config()
     history: list[dict] = []
+    generate = make_engine(config.engine, model)  # built once: the engine reads the live weights at every step
     for step in range(config.steps):
         start = time.perf_counter()
         problems, requests = step_requests(config, step)
         model.eval()
-        rollouts = make_engine(config.engine, model)(requests)
+        rollouts = generate(requests)
         if [r.request_id for r in rollouts] != [q.request_id for q in requests]:
             raise RuntimeError(f"engine {config.engine!r} returned rollouts out of request order or incomplete")
         problem_of = [problem for problem in problems for _ in range(config.num_generations)]
