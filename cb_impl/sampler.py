@@ -11,7 +11,8 @@ Noise shortcut: a row with top-k keeps only tokens scoring >= its k-th largest s
 remove more, so every other token is -inf and cannot win the argmax. When exactly ``k`` tokens pass (no tie at the
 boundary) the noise is computed for those ``k`` candidates only, sorted by token id so that argmax ties still go to
 the lowest id: bit-identical tokens to the full definition (``test_cb_sampler`` checks it on tie-heavy logits).
-Rows with a boundary tie, or no top-k, get full-vocabulary noise. Greedy rows get none.
+Rows with a boundary tie, or no top-k, get full-vocabulary noise. Greedy rows get none. The noise comes from
+``cb_impl.noise`` (bit-identical to ``reference.spec``'s, about 2x cheaper).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from reference.spec import SamplingParams, bits_to_gumbel, gumbel_noise, noise_bits, noise_keys
+from cb_impl.noise import fast_bits_to_gumbel, fast_gumbel_noise, fast_noise_bits, noise_keys
+from reference.spec import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,13 +109,14 @@ def choose_tokens(
     full = [i for i, s in enumerate(use_short) if not s]
     if full:
         idx = torch.tensor(full, device=processed.device)
-        noise = gumbel_noise(b.seeds[idx], b.positions[idx], vocab)  # (F, V) float64
-        tokens[idx] = (processed[idx].double() + noise).argmax(dim=-1)
+        noise = fast_gumbel_noise(b.seeds[idx], b.positions[idx], vocab)  # (F, V) float64
+        tokens[idx] = noise.add_(processed[idx]).argmax(dim=-1)  # float32 + float64 promotes exactly
     if short:
         idx = torch.tensor(short, device=processed.device)
         keys = noise_keys(b.seeds[idx], b.positions[idx])  # (S,)
         cand = candidates[idx].sort(dim=-1).values  # (S, K) ascending ids: argmax ties -> lowest id
-        scores = processed[idx].gather(1, cand).double() + bits_to_gumbel(noise_bits(keys[:, None], cand))  # (S, K)
+        noise = fast_bits_to_gumbel(fast_noise_bits(keys[:, None], cand))  # (S, K) float64
+        scores = processed[idx].gather(1, cand).double() + noise  # (S, K)
         tokens[idx] = cand.gather(1, scores.argmax(dim=-1, keepdim=True)).squeeze(1)
     return tokens
 
