@@ -146,21 +146,24 @@ def _sampling(scenario: TrainerScenario, *, relax: bool = False) -> SamplingPara
                           max_new_tokens=scenario.max_completion_length)  # fmt: skip
 
 
-def _penalised_argmax_ok(model, prompt, completion, penalty: float) -> int | None:
-    """First position whose token is not the argmax of the repetition-penalised logits, or ``None``."""
+def _penalised_argmax_ok(model, prompt, completion, penalty: float) -> tuple[int | None, int]:
+    """``(first position whose token is not the argmax of the penalised logits or None, number of positions where
+    the penalty changes the argmax)``: where it changes none, honouring and ignoring it look the same."""
     from transformers import RepetitionPenaltyLogitsProcessor
 
     from reference.logprobs import completion_logits
 
     logits = completion_logits(model, prompt, completion)  # (L, V)
     processor = RepetitionPenaltyLogitsProcessor(penalty)
+    changed = 0
     for i, token in enumerate(completion):
         prefix = torch.tensor([list(prompt) + list(completion[:i])])  # (1, P + i)
         scores = processor(prefix, logits[i : i + 1].clone())[0]  # (V,)
+        changed += int(torch.argmax(scores)) != int(torch.argmax(logits[i]))
         top2 = torch.topk(scores, 2).values
         if token != int(torch.argmax(scores)) and float(top2[0] - top2[1]) > 1e-4:
-            return i
-    return None
+            return i, changed
+    return None, changed
 
 
 def sampled_tokens_within_processed_support(scenario: TrainerScenario, capture: Capture, model) -> list[CheckResult]:
@@ -178,8 +181,10 @@ def sampled_tokens_within_processed_support(scenario: TrainerScenario, capture: 
     if scenario.repetition_penalty != 1:
         if not scenario.greedy:
             return [_result(check, scenario, NA, "repetition penalty is checked under greedy decoding only")]
+        changed = 0
         for i, (p, c) in enumerate(zip(record.prompt_ids, record.completion_ids, strict=True)):
-            pos = _penalised_argmax_ok(model, p, c, scenario.repetition_penalty)
+            pos, changes = _penalised_argmax_ok(model, p, c, scenario.repetition_penalty)
+            changed += changes
             if pos is not None:
                 return [
                     _result(
@@ -190,7 +195,9 @@ def sampled_tokens_within_processed_support(scenario: TrainerScenario, capture: 
                         f"repetition_penalty={scenario.repetition_penalty} logits (option ignored)",
                     )
                 ]
-        return [_result(check, scenario, PASS, "every greedy token is the argmax of the penalised logits")]
+        if not changed:
+            return [_result(check, scenario, NA, "the penalty changes no greedy choice here: honoured = ignored")]
+        return [_result(check, scenario, PASS, f"every greedy token is the penalised argmax ({changed} changed)")]
     if scenario.greedy:
         return [_result(check, scenario, NA, "greedy decoding ignores top-k/top-p/min-p")]
     sampling = [_sampling(scenario, relax=True)] * len(record.completion_ids)
