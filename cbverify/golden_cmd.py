@@ -19,6 +19,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                        help="a case name or a substring of one (repeatable); default: every case")  # fmt: skip
         p.add_argument("--device", default="cpu", help="torch device; goldens are kept per device class (default cpu)")
         p.add_argument("--list", action="store_true", help="list the cases for the device and exit")
+        p.add_argument("--threads", type=int, default=2,
+                       help="torch CPU threads (default 2, as CI and the committed CPU goldens)")  # fmt: skip
     rec.add_argument("--force", action="store_true", help="overwrite existing records (say why in the commit)")
     chk.add_argument("--engine", action="append", default=None, metavar="NAME",
                      help="check only this engine (repeatable); default: every registered engine")  # fmt: skip
@@ -26,8 +28,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from golden import cases as golden_cases
 
+    if args.threads < 1:
+        print(f"error: --threads must be >= 1, got {args.threads}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
     try:
         cases = golden_cases.select(args.case, args.device)
     except ValueError as err:

@@ -1,11 +1,11 @@
 """Measure the noise the golden tolerances must absorb, and the signal they must still catch.
 
-``python -m golden.measure_noise [--case ...] [--engines]`` prints, per case, the max |Δ| and |mean Δ| of every
-recorded log-prob series between a baseline reference run (2 threads) and
+``python -m golden.measure_noise [--case ...] [--engine NAME ...] [--threads N ...]`` prints, per case (one JSON line),
+the max |Δ| and mean Δ of every recorded log-prob series between the committed golden (2 threads) and
 
-- ``run-to-run``: the same computation again in the same process;
+- ``fresh-process``: the reference recomputed in this process (run-to-run noise across processes);
 - ``threads=N``: the same computation with ``torch.set_num_threads(N)`` for N in 1 and 4;
-- ``engine:<name>`` (with ``--engines``): each harness engine's sampling log-probs on the common token prefix;
+- ``engine:<name>`` (with ``--engine``): each harness engine's sampling log-probs on the common token prefix;
 - ``perturbed``: the signal: N(0, 1e-3) noise added to one layer's ``mlp.down_proj`` weight (what the tests inject).
 
 The output is the evidence behind ``golden.tolerances``; rerun it when the stack changes and update the reasons.
@@ -75,20 +75,20 @@ def engine_delta(name: str, model, case: GoldenCase, base: list[dict]) -> dict |
     return {"token_divergences": delta["token_divergences"], "sampling_logprobs": delta["sampling_logprobs"]}
 
 
-def measure(case: GoldenCase, *, engines: bool) -> dict:
+def measure(case: GoldenCase, *, engines: list[str], threads: tuple[int, ...]) -> dict:
+    """Deltas against the committed golden (recorded in another process: so ``fresh-process`` is run-to-run noise)."""
+    from golden.check import load_record
+
+    base = load_record(case, "cpu")["rollouts"]
     model, _ = load(case.model, dtype=case.dtype)
     torch.set_num_threads(2)
-    base = reference_rollouts(model, case)
-    out = {"run-to-run": series_delta(base, reference_rollouts(model, case))}
-    for n in (1, 4):
+    out = {"fresh-process": series_delta(base, reference_rollouts(model, case))}
+    for n in threads:
         torch.set_num_threads(n)
         out[f"threads={n}"] = series_delta(base, reference_rollouts(model, case))
     torch.set_num_threads(2)
-    if engines:
-        from golden.check import available_engines
-
-        for name in available_engines():
-            out[f"engine:{name}"] = engine_delta(name, model, case, base)
+    for name in engines:
+        out[f"engine:{name}"] = engine_delta(name, model, case, base)
     out["perturbed"] = series_delta(base, reference_rollouts(perturb(model), case))
     return out
 
@@ -96,10 +96,13 @@ def measure(case: GoldenCase, *, engines: bool) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", action="append", default=[], help="case name or substring (repeatable)")
-    parser.add_argument("--engines", action="store_true", help="also measure every harness engine")
+    parser.add_argument("--engine", action="append", default=[], help="also measure this harness engine (repeatable)")
+    parser.add_argument("--threads", type=int, action="append", default=None,
+                        help="thread counts to compare with the golden's 2 (repeatable; default 1 and 4)")  # fmt: skip
     args = parser.parse_args(argv)
-    results = {case.name: measure(case, engines=args.engines) for case in select(args.case)}
-    print(json.dumps(results, indent=1))
+    for case in select(args.case):
+        result = measure(case, engines=args.engine, threads=tuple(args.threads or (1, 4)))
+        print(json.dumps({case.name: result}), flush=True)
 
 
 if __name__ == "__main__":
