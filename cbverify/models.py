@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -40,11 +41,26 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def load(name_or_path: str | Path = DEFAULT_MODEL, *, dtype: str | torch.dtype = "float32", device: str = "cpu"):
     """``(model, tokenizer)`` in eval mode, from local files only (``local_files_only=True``)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     path = resolve(name_or_path)
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} requested but CUDA is not available")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype), local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer = load_tokenizer(path) if (path / "tokenizer_config.json").is_file() else None
     return model.to(device).eval(), tokenizer
+
+
+def load_tokenizer(path: Path):
+    """The tokenizer class the checkpoint declares; ``AutoTokenizer`` only when it declares a specialised one.
+
+    transformers 5.x's ``AutoTokenizer`` replaces a declared generic ``TokenizersBackend`` by the model type's
+    registered class (e.g. ``Qwen2Tokenizer`` for ``tiny-qwen2-random``), whose byte-level pre-tokenizer silently
+    drops our ``"\\n"`` tokens. Honour the declaration instead.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    declared = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    if declared in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -31,15 +31,25 @@ def test_llama_uses_grouped_query_attention_and_qwen2_a_different_ratio_with_bia
     assert qwen2[0].model.layers[0].self_attn.q_proj.bias is not None
 
 
-def test_tokenizer_round_trips_task_text_and_has_pad_bos_eos(llama) -> None:
-    _, tokenizer = llama
+def test_tokenizer_round_trips_task_text_and_has_pad_bos_eos(bundled_model) -> None:
+    _, _, tokenizer = bundled_model
     problem = tasks.make_problems(1, seed=7)[0]
     ids = tokenizer(problem.prompt)["input_ids"]
     assert ids == tasks.prompt_ids(problem)
     assert tokenizer.decode(ids, skip_special_tokens=True) == problem.prompt
+    assert tokenizer(problem.prompt + problem.completion)["input_ids"][1:] == tasks.encode(
+        problem.prompt + problem.completion
+    )
     assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (
         tasks.PAD_ID, tasks.BOS_ID, tasks.EOS_ID,
     )  # fmt: skip
+
+
+def test_tiny_llama_tokenizer_loads_with_auto_tokenizer() -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve("tiny-llama-arith"), local_files_only=True)
+    assert tokenizer("Q:1+2\n")["input_ids"] == [tasks.BOS_ID, *tasks.encode("Q:1+2\n")]
 
 
 def test_loader_gives_a_clear_error_for_a_missing_path_or_a_folder_that_is_not_a_checkpoint(tmp_path) -> None:

@@ -24,24 +24,9 @@ _RESULTS: dict = {}
 
 
 @pytest.fixture(scope="module")
-def models(random_qwen2, llama) -> dict:
+def models(qwen2, llama) -> dict:
     """Bundled name -> (model, tokenizer), for the findings' ``repro_model``."""
-    return {"tiny-qwen2-random": random_qwen2, "tiny-llama-arith": llama}
-
-
-@pytest.fixture(scope="module")
-def random_qwen2(qwen2):
-    """The bundled random Qwen2 with its tokenizer.json loaded as saved.
-
-    ``AutoTokenizer`` (transformers 5.24) builds a ``Qwen2Tokenizer`` for this checkpoint, which replaces the saved
-    character-level pre-tokenizer with Qwen2's byte-level regex and NFC normaliser and drops every "\n" (reported
-    to the lead; ``completions_aligned`` caught it as wrong prompt ids)."""
-    from transformers import PreTrainedTokenizerFast
-
-    from cbverify.models import resolve
-
-    model, _ = qwen2
-    return model, PreTrainedTokenizerFast.from_pretrained(resolve("tiny-qwen2-random"), local_files_only=True)
+    return {"tiny-qwen2-random": qwen2, "tiny-llama-arith": llama}
 
 
 def _results(scenario, model_and_tokenizer):
