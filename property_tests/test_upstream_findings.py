@@ -37,8 +37,8 @@ def _results(scenario, model_and_tokenizer):
 
 
 @pytest.mark.parametrize("scenario", DEFAULT_SCENARIOS, ids=[s.describe() for s in DEFAULT_SCENARIOS])
-def test_default_upstream_scenarios_show_no_unregistered_failure(scenario, random_qwen2):
-    results = _results(scenario, random_qwen2)
+def test_default_upstream_scenarios_show_no_unregistered_failure(scenario, qwen2):
+    results = _results(scenario, qwen2)
     judged = [(r, *judge(r, scenario, "qwen2")) for r in results]
     bad = [(r, label) for r, ok, label in judged if not ok]
     assert not bad, "\n".join(f"{label}: {r.check} on {r.path}: {r.reason} [{r.scenario}]" for r, label in bad)
@@ -77,6 +77,6 @@ def test_every_failure_on_a_findings_repro_scenario_is_registered(models):
                 assert covered_by is not None, f"unregistered: {result.check}: {result.reason} [{result.scenario}]"
 
 
-def test_greedy_decoding_gives_identical_completions_on_generate_cb_and_rollout_func(random_qwen2):
-    result = greedy_agreement(*random_qwen2)
+def test_greedy_decoding_gives_identical_completions_on_generate_cb_and_rollout_func(qwen2):
+    result = greedy_agreement(*qwen2)
     assert result.status == "PASS", result.reason
