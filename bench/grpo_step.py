@@ -118,11 +118,15 @@ def run_case(path: str, n: int, cfg: GrpoConfig, out_dir: str) -> dict:
             "mean_completion_length": lengths[-1] if lengths else None, **memory}  # fmt: skip
 
 
-def run_grpo(cfg: GrpoConfig, out_dir: Path) -> dict:
-    """Every path in a fresh process (progress bar); returns ``{"setup": ..., "rows": [...]}``."""
+def run_grpo(cfg: GrpoConfig, out_dir: Path, *, from_logs: bool = False) -> dict:
+    """Every path in a fresh process (progress bar); returns ``{"setup": ..., "rows": [...]}``. With ``from_logs``
+    the rows an earlier run's workers left in ``out_dir/logs`` are re-read instead."""
     log_dir = out_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
+    if from_logs:
+        rows = [json.loads(line) for f in sorted(log_dir.glob("grpo-*.jsonl")) for line in f.read_text().splitlines()]
+        return {"setup": _setup(cfg), "config": {k: getattr(cfg, k) for k in cfg.__slots__}, "rows": rows}
     env = os.environ | {
         "HF_HUB_OFFLINE": "1",
         "TRL_EXPERIMENTAL_SILENCE": "1",
@@ -139,11 +143,14 @@ def run_grpo(cfg: GrpoConfig, out_dir: Path) -> dict:
         got = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
         rows += got or [{"path": path, "n": n, "error": f"worker exited {proc.returncode}; see {log.name}"}
                         for n in cfg.ns]  # fmt: skip
-    setup = (
+    return {"setup": _setup(cfg), "config": {k: getattr(cfg, k) for k in cfg.__slots__}, "rows": rows}
+
+
+def _setup(cfg: GrpoConfig) -> str:
+    return (
         f"TRL GRPOTrainer on {cfg.model}, {cfg.num_prompts} prompts x N per step, max_completion_length "
         f"{MAX_COMPLETION}, {cfg.steps} steps (median of steps 2..{cfg.steps}), device {cfg.device}"
     )
-    return {"setup": setup, "config": {k: getattr(cfg, k) for k in cfg.__slots__}, "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -170,8 +170,19 @@ def evaluate_targets(records: list[dict]) -> list[dict]:
     return out
 
 
-def run_suite(config: SuiteConfig, out_dir: Path) -> dict:
-    records = run_matrix(config, out_dir)
+def read_logs(out_dir: Path) -> list[dict]:
+    """Every case record the workers of an earlier (possibly interrupted) run left in ``out_dir/logs``."""
+    files = sorted((out_dir / "logs").glob("*.jsonl"))
+    files = [f for f in files if not f.name.startswith("grpo-")]
+    records = [json.loads(line) for f in files for line in f.read_text().splitlines()]
+    if not records:
+        raise FileNotFoundError(f"no worker results under {out_dir / 'logs'}")
+    return records
+
+
+def run_suite(config: SuiteConfig, out_dir: Path, *, from_logs: bool = False) -> dict:
+    """Run the matrix (or, with ``from_logs``, re-read an earlier run's worker records) and evaluate it."""
+    records = read_logs(out_dir) if from_logs else run_matrix(config, out_dir)
     for record in records:
         record["check_problems"] = check_case(record, config)
     token_agreement(records)

@@ -74,6 +74,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--profile", action="store_true",
                         help="cProfile one extra untimed run per case into OUT/logs/*.prof.txt")  # fmt: skip
+    parser.add_argument(
+        "--from-logs",
+        action="store_true",
+        help="do not run: rebuild the report from the worker records already under OUT/logs",
+    )
     parser.add_argument("--strict-targets", action="store_true", help="exit 1 when an issue-8 target is missed")
 
 
@@ -93,12 +98,13 @@ def run(args: argparse.Namespace) -> int:
                          temperature=args.temperature, seed=args.seed,
                          time_forwards=not args.device.startswith("cuda") if args.time_forwards is None
                          else args.time_forwards, profile=args.profile)  # fmt: skip
-    result = run_suite(config, out)
+    result = run_suite(config, out, from_logs=args.from_logs)
     if args.grpo:
         from bench.grpo_step import GrpoConfig, run_grpo
 
         result["grpo"] = run_grpo(GrpoConfig(device=args.device, ns=tuple(args.grpo_n), steps=args.grpo_steps,
-                                             threads=args.threads, model=args.grpo_model), out)  # fmt: skip
+                                             threads=args.threads, model=args.grpo_model), out,
+                                  from_logs=args.from_logs)  # fmt: skip
     paths = report.write(result, out)
     print(report.markdown(result))
     print("wrote " + ", ".join(str(p) for p in paths))
