@@ -115,8 +115,9 @@ class PagedAttention:
         for g in meta.groups:
             dtype = self.compute_dtype or q.dtype
             qg = q[g.q_index].transpose(1, 2).to(dtype)  # (S, Hq, Q, D)
-            kg = k_cache[g.kv_slots].transpose(1, 2).to(dtype)  # (S, Hkv, L, D)
-            vg = v_cache[g.kv_slots].transpose(1, 2).to(dtype)  # (S, Hkv, L, D)
+            flat, shape = g.kv_slots.reshape(-1), (*g.kv_slots.shape, *k_cache.shape[1:])  # (S * L,), (S, L, Hkv, D)
+            kg = k_cache.index_select(0, flat).view(shape).transpose(1, 2).to(dtype)  # (S, Hkv, L, D)
+            vg = v_cache.index_select(0, flat).view(shape).transpose(1, 2).to(dtype)  # (S, Hkv, L, D)
             og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scaling, enable_gqa=True)
             og = og.transpose(1, 2).flatten(0, 1)  # (S * Q, Hq, D)
             out[g.dst_rows] = og[g.valid_flat].to(out.dtype)  # valid rows only
