@@ -27,6 +27,8 @@ from transformers import AttentionInterface
 
 from cb_impl.kv_cache import PagedKVCache
 
+GATHER_BUDGET = 1 << 18  # elements of gathered keys (and as many values) per SDPA call
+
 
 @dataclass(frozen=True, slots=True)
 class AttentionGroup:
@@ -85,6 +87,7 @@ class PagedAttention:
         self.cache = cache
         self.compute_dtype = compute_dtype  # None: the query's dtype
         self.metadata: StepMetadata | None = None
+        self.gather_budget = GATHER_BUDGET  # tests lower it to force one sequence per slice
         self._swap: tuple[torch.nn.Module, list] | None = None
         self.name = f"cb_impl_paged_{next(self._ids)}"
         AttentionInterface.register(self.name, self.__call__)
@@ -112,15 +115,24 @@ class PagedAttention:
         q = query[0].transpose(0, 1)  # (T, Hq, D)
         out = torch.empty_like(q)  # (T, Hq, D)
         k_cache, v_cache = self.cache.key[layer], self.cache.value[layer]  # (slots, Hkv, D)
+        dtype = self.compute_dtype or q.dtype
         for g in meta.groups:
-            dtype = self.compute_dtype or q.dtype
-            qg = q[g.q_index].transpose(1, 2).to(dtype)  # (S, Hq, Q, D)
-            flat, shape = g.kv_slots.reshape(-1), (*g.kv_slots.shape, *k_cache.shape[1:])  # (S * L,), (S, L, Hkv, D)
-            kg = k_cache.index_select(0, flat).view(shape).transpose(1, 2).to(dtype)  # (S, Hkv, L, D)
-            vg = v_cache.index_select(0, flat).view(shape).transpose(1, 2).to(dtype)  # (S, Hkv, L, D)
-            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scaling, enable_gqa=True)
-            og = og.transpose(1, 2).flatten(0, 1)  # (S * Q, Hq, D)
-            out[g.dst_rows] = og[g.valid_flat].to(out.dtype)  # valid rows only
+            (num_seqs, q_len), kv_len = g.q_index.shape, g.kv_slots.shape[1]
+            og = torch.empty(num_seqs, q_len, *q.shape[1:], dtype=out.dtype, device=out.device)  # (S, Q, Hq, D)
+            # sequences in slices whose gathered K/V stay small: cache-resident, and below malloc's mmap threshold
+            # (a fresh mmap per layer costs page faults); rows of SDPA are independent, so slicing changes nothing
+            step = max(1, self.gather_budget // (kv_len * k_cache.shape[1] * k_cache.shape[2]))
+            for s0 in range(0, num_seqs, step):
+                rows = slice(s0, s0 + step)
+                slots = g.kv_slots[rows]  # (s, L)
+                flat, shape = slots.reshape(-1), (*slots.shape, *k_cache.shape[1:])  # (s * L,), (s, L, Hkv, D)
+                qg = q[g.q_index[rows]].transpose(1, 2).to(dtype)  # (s, Hq, Q, D)
+                kg = k_cache.index_select(0, flat).view(shape).transpose(1, 2).to(dtype)  # (s, Hkv, L, D)
+                vg = v_cache.index_select(0, flat).view(shape).transpose(1, 2).to(dtype)  # (s, Hkv, L, D)
+                mask = None if g.mask is None else g.mask[rows]  # (s, 1, Q, L)
+                o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scaling, enable_gqa=True)
+                og[rows] = o.transpose(1, 2)  # (s, Q, Hq, D)
+            out[g.dst_rows] = og.flatten(0, 1)[g.valid_flat]  # valid rows only
         return out[None], None  # (1, T, Hq, D)
 
     def _targets(self, model: torch.nn.Module) -> list:

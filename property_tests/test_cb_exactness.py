@@ -15,6 +15,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cb_impl.attention import GATHER_BUDGET
 from cb_impl.config import EngineConfig
 from cb_impl.engine import LLMEngine
 from cbverify.compare import check_conventions, check_results, compare_tokens
@@ -71,8 +72,11 @@ def test_cb_matches_reference_for_any_batch_arrival_chunking_sharing_and_memory_
                                           group_size=(1, 3)), label="requests")  # fmt: skip
     config, order, steps = data.draw(cb_arrival_plans(requests=requests), label="plan")
     engine = LLMEngine(model, EngineConfig(**config))
+    budget = data.draw(st.sampled_from([GATHER_BUDGET, 1, 4096]), label="gather_budget")  # 1: a sequence per slice
+    engine.runner.attention.gather_budget = budget
     rollouts = run_with_arrivals(engine, requests, order, steps)
-    assert_matches_reference(model, requests, rollouts, repro=f"model={name} config={config} order={order}")
+    repro = f"model={name} config={config} order={order} gather_budget={budget}"
+    assert_matches_reference(model, requests, rollouts, repro=repro)
     assert_engine_idle_and_clean(engine)
 
 
