@@ -23,8 +23,8 @@ class EngineConfig:
     - ``float64_attention``: compute the paged attention in float64 and cast back. The fused float32 SDPA kernel's
       reduction order differs from the model's own causal call and moved log-probs of the trained tiny Llama by up to
       1.06e-5 (DESIGN §4 allows 1e-5); float64 brings that to 2.5e-6 (re-measured on 24 mixed greedy/sampled arith
-      requests of <= 40 tokens: 1.24e-5 in float32, 8.3e-6 in float64). It costs ~35% of a CPU decode step on the
-      bench's gsm8k-like N=64 (conversions of the gathered K/V), kept because float32 breaks the tolerance.
+      requests of <= 40 tokens: 1.24e-5 in float32, 8.3e-6 in float64). Kept because float32 breaks the tolerance;
+      its K/V conversions are ~8% of a CPU step on the bench's gsm8k-like N=64 since attention runs in slices.
       ``None`` = on for CPU, off elsewhere (speed).
     """
 
