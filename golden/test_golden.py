@@ -39,21 +39,18 @@ def test_every_float32_cpu_golden_passes_for_the_reference_and_cb_impl(case):
     assert result.ok, result.report()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", [c for c in CPU_CASES if c.dtype != "float32"], ids=lambda c: c.name)
 def test_every_bfloat16_cpu_golden_passes_for_the_reference_and_cb_impl(case):
     result = check_case(case, "cpu", engines=DEFAULT_ENGINES, trajectory=False)
     assert result.ok, result.report()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", [c for c in CPU_CASES if c.sampling == "greedy"], ids=lambda c: c.name)
 def test_the_rng_engines_reproduce_every_greedy_cpu_golden(case):
     result = check_case(case, "cpu", engines=["hf-generate", "transformers-cb"], trajectory=False)
     assert result.ok, result.report()
 
 
-@pytest.mark.slow
 def test_the_grpo_trajectory_golden_is_reproduced():
     (case,) = [c for c in CPU_CASES if c.trajectory_steps]
     result = check_case(case, "cpu", engines=[])
