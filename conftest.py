@@ -37,7 +37,7 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture(scope="session")
 def llama():
     """The bundled arithmetic Llama in float32 on CPU: ``(model, tokenizer)``."""
-    from cbverify.models import load
+    from reference.models import load
 
     return load("tiny-llama-arith")
 
@@ -45,7 +45,7 @@ def llama():
 @pytest.fixture(scope="session")
 def qwen2():
     """The bundled random Qwen2 in float32 on CPU: ``(model, tokenizer)``."""
-    from cbverify.models import load
+    from reference.models import load
 
     return load("tiny-qwen2-random")
 
@@ -53,6 +53,6 @@ def qwen2():
 @pytest.fixture(scope="session", params=["tiny-llama-arith", "tiny-qwen2-random"])
 def bundled_model(request):
     """Each bundled model in turn: ``(name, model, tokenizer)``."""
-    from cbverify.models import load
+    from reference.models import load
 
     return (request.param, *load(request.param))

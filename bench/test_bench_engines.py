@@ -13,10 +13,10 @@ import os
 import pytest
 import torch
 
-from bench import measure
-from bench.engines import ENGINES, RUNNERS, EngineOptions
-from bench.models import RANDOM, load_bench_model
-from bench.workloads import kv_budget_tokens, make_requests, make_workload
+from cbverify.bench import measure
+from cbverify.bench.engines import ENGINES, RUNNERS, EngineOptions
+from cbverify.bench.models import RANDOM, load_bench_model
+from cbverify.bench.workloads import kv_budget_tokens, make_requests, make_workload
 
 DEVICE = os.environ.get("CBVERIFY_BENCH_DEVICE", "cpu")
 pytestmark = pytest.mark.bench

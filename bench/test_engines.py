@@ -12,9 +12,9 @@ import torch
 from hypothesis import given, settings
 from transformers import LlamaForCausalLM
 
-from bench import measure
-from bench.engines import EngineOptions, run_cb_impl, run_generate, run_transformers_cb
-from bench.workloads import LengthDist, Workload, make_requests
+from cbverify.bench import measure
+from cbverify.bench.engines import EngineOptions, run_cb_impl, run_generate, run_transformers_cb
+from cbverify.bench.workloads import LengthDist, Workload, make_requests
 from golden.build_models import llama_config
 from property_tests.strategies import bench_workloads
 

@@ -7,9 +7,9 @@ import json
 import pytest
 from PIL import Image
 
-from bench import report
-from bench.suite import SuiteConfig, check_case, evaluate_targets, ratios, token_agreement
-from bench.workloads import make_requests, make_workload
+from cbverify.bench import report
+from cbverify.bench.suite import SuiteConfig, check_case, evaluate_targets, ratios, token_agreement
+from cbverify.bench.workloads import make_requests, make_workload
 
 ENV = {"torch": "T", "transformers": "X", "trl": "R", "python": "3", "cpu": "cpu", "cpu_count": 2,
        "torch_threads": 2, "ram_gb": 8, "platform": "P", "device": "cpu"}  # fmt: skip

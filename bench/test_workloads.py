@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bench.workloads import LengthDist, Workload, kv_budget_tokens, make_requests, make_workload
+from cbverify.bench.workloads import LengthDist, Workload, kv_budget_tokens, make_requests, make_workload
 from property_tests.strategies import bench_workloads, length_dists
 from reference import tasks
 

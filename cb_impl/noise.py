@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from reference.spec import _MASK32, _MUL1, _MUL2, noise_keys
+from reference.spec import MASK32, MIX_MUL1, MIX_MUL2, noise_keys
 
 __all__ = ["fast_bits_to_gumbel", "fast_gumbel_noise", "fast_noise_bits", "noise_keys"]
 
@@ -21,15 +21,15 @@ def _mul32_(x: torch.Tensor, c: int) -> torch.Tensor:
     """In place: ``x = (x * c) mod 2**32`` for int64 ``x`` in [0, 2**32); returns ``x``."""
     hi = x * (c >> 16)  # < 2**48
     hi.bitwise_and_(0xFFFF).bitwise_left_shift_(16)  # only bits 16..31 of (x * c_hi) << 16 survive the mod
-    return x.mul_(c & 0xFFFF).add_(hi).bitwise_and_(_MASK32)  # x * c_lo < 2**48
+    return x.mul_(c & 0xFFFF).add_(hi).bitwise_and_(MASK32)  # x * c_lo < 2**48
 
 
 def _mix32_(x: torch.Tensor) -> torch.Tensor:
     """In place lowbias32 (``reference.spec.mix32``); returns ``x``."""
     x.bitwise_xor_(x >> 16)
-    _mul32_(x, _MUL1)
+    _mul32_(x, MIX_MUL1)
     x.bitwise_xor_(x >> 15)
-    _mul32_(x, _MUL2)
+    _mul32_(x, MIX_MUL2)
     return x.bitwise_xor_(x >> 16)
 
 

@@ -6,7 +6,7 @@ row per entry in order. Consecutive identical prompts form a GRPO group, which t
 
 The engine is built on the first call (from the trainer's model unless one was given) and kept for the whole run:
 it reads the weights live at every step, so optimizer updates are seen with no weight sync. ``logprobs`` are the
-sampler's processed log-probs (DESIGN §2). Seeds are a function of (base seed, training step, row), so a rerun with
+sampler's processed log-probs (``reference.spec.Rollout``). Seeds are a function of (base seed, training step, row), so a rerun with
 the same seeds reproduces the rollouts. Trainer options the engine cannot honour (repetition penalty) raise.
 """
 
@@ -28,7 +28,7 @@ def trainer_sampling(trainer: Any) -> SamplingParams:
     """The trainer's generation options as :class:`SamplingParams` (``do_sample=False`` -> greedy)."""
     penalty = getattr(trainer, "repetition_penalty", None)
     if penalty not in (None, 1.0):
-        raise ValueError(f"cb_impl rollout_func cannot apply repetition_penalty={penalty}")
+        raise ValueError(f"this rollout_func cannot apply repetition_penalty={penalty}")
     do_sample = getattr(getattr(trainer, "generation_config", None), "do_sample", True)
     top_p = getattr(trainer, "top_p", None)
     return SamplingParams(
@@ -51,10 +51,11 @@ def make_rollout_func(
     *,
     config: EngineConfig | None = None,
     seed: int = 0,
-    engine: LLMEngine | None = None,
+    engine: Any = None,
 ) -> RolloutFunc:
     """``rollout_func(prompts, trainer)`` for ``GRPOTrainer``. ``model``/``tokenizer`` default to the trainer's;
-    ``engine`` reuses an existing engine. The engine in use is exposed as ``rollout_func.engine``."""
+    ``engine`` reuses an existing engine (anything with ``generate(requests) -> rollouts`` in request order, e.g. the
+    oracle in ``cbverify.upstream.rollout``). The engine in use is exposed as ``rollout_func.engine``."""
 
     def rollout_func(prompts: list, trainer: Any) -> dict[str, list]:
         if rollout_func.engine is None:
@@ -67,7 +68,7 @@ def make_rollout_func(
         requests = []
         for i, prompt in enumerate(prompts):
             if not isinstance(prompt, str):
-                raise ValueError(f"cb_impl rollout_func takes plain-text prompts, got {type(prompt).__name__}")
+                raise ValueError(f"this rollout_func takes plain-text prompts, got {type(prompt).__name__}")
             ids = tuple(tok(prompt)["input_ids"])
             requests.append(RolloutRequest(f"step{step}-row{i}", ids, sampling, row_seed(seed, step, i), eos))
         rollouts = rollout_func.engine.generate(requests)

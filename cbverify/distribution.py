@@ -11,7 +11,7 @@ probability 0 (outside the processed support: cut by top-k / top-p / min-p) obse
 p-value 0.
 
 False alarms. All node p-values of one call (every position, prefix and request) form one family, corrected with
-Holm-Bonferroni: the probability that a *correct* engine fails one call is <= ``alpha`` (default 1e-3) whatever the
+Holm-Bonferroni: the probability that a *correct* engine fails one call is <= ``alpha`` (default ``DISTRIBUTION_ALPHA``) whatever the
 dependence between nodes. A test suite that makes ``m`` such calls has a false-alarm rate <= ``m * alpha`` (union
 bound); Hypothesis' ``ci`` profile is derandomised and the engines are seeded, so a run is also reproducible.
 
@@ -28,6 +28,7 @@ import torch
 from scipy import stats
 
 from cbverify.engines import Engine
+from cbverify.tolerances import DISTRIBUTION_ALPHA
 from reference import logprobs as ref_logprobs
 from reference.generate import process_logits
 from reference.spec import Rollout, RolloutRequest
@@ -143,7 +144,7 @@ def distribution_test(
     *,
     num_samples: int = 200,
     min_count: int = 50,
-    alpha: float = 1e-3,
+    alpha: float = DISTRIBUTION_ALPHA,
 ) -> DistributionResult:
     """Sample each (sampled) request ``num_samples`` times through ``engine`` in one call, test every node, Holm."""
     if not 0 < alpha < 1:

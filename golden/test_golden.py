@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from cbverify.models import load
-from golden import cases as golden_cases
-from golden import env as golden_env
-from golden.check import check_case, load_record
-from golden.measure_noise import perturb
-from golden.record import RecordRefused, record
+from cbverify.golden import cases as golden_cases
+from cbverify.golden import env as golden_env
+from cbverify.golden.check import check_case, load_record
+from cbverify.golden.measure_noise import perturb
+from cbverify.golden.record import RecordRefused, record
+from reference.models import load
 
 pytestmark = pytest.mark.golden
 REPO = Path(__file__).resolve().parent.parent
@@ -135,7 +135,7 @@ def _strip_volatile(path: Path) -> dict:
 
 
 def _record_in_fresh_process(names: list[str], root: Path) -> None:
-    code = ("import sys, pathlib, torch; from golden.cases import select; from golden.record import record; "
+    code = ("import sys, pathlib, torch; from cbverify.golden.cases import select; from cbverify.golden.record import record; "
             "torch.set_num_threads(2); "
             "record(select(sys.argv[2:]), root=pathlib.Path(sys.argv[1]), require_clean=False)")  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cbverify.models import BUNDLED, load, resolve
 from reference import tasks
+from reference.models import BUNDLED, load, resolve
 
 
 @pytest.mark.parametrize("name", BUNDLED)

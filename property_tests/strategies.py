@@ -111,7 +111,7 @@ def grpo_batches(
     per = floats(-8.0, 0.0)
     old = per + floats(-max_log_ratio, max_log_ratio) * draw(st.sampled_from([0.0, 0.05, 0.3, 1.0]))
     ref = per + floats(-max_log_ratio, max_log_ratio) * draw(st.sampled_from([0.0, 0.1, 1.0]))
-    sampling = (old + floats(-max_log_ratio, max_log_ratio) * draw(st.sampled_from([0.0, 0.02, 0.3, 1.0])))
+    sampling = old + floats(-max_log_ratio, max_log_ratio) * draw(st.sampled_from([0.0, 0.02, 0.3, 1.0]))
     sampling = sampling.to(torch.float32).to(torch.float64)  # what an engine's float32 log-probs look like
     if draw(st.booleans()):
         unscored = torch.tensor(draw(st.lists(st.booleans(), min_size=batch * width, max_size=batch * width)))
@@ -180,8 +180,8 @@ def engine_configurations(draw, *, engine: str, max_sequence_len: int = 64) -> d
 
 @st.composite
 def length_dists(draw, *, max_hi: int = 256):
-    """A clipped-lognormal length distribution for ``bench.workloads`` (1 <= lo <= median <= hi <= max_hi)."""
-    from bench.workloads import LengthDist
+    """A clipped-lognormal length distribution for ``cbverify.bench.workloads`` (1 <= lo <= median <= hi <= max_hi)."""
+    from cbverify.bench.workloads import LengthDist
 
     lo = draw(st.integers(1, max_hi))
     median = draw(st.integers(lo, max_hi))
@@ -191,8 +191,8 @@ def length_dists(draw, *, max_hi: int = 256):
 
 @st.composite
 def bench_workloads(draw, *, max_generations: int = 8, max_prompts: int = 3, max_len: int = 24):
-    """A small random-prompt ``bench.workloads.Workload`` (gsm8k-like or uniform shape) with drawn sizes and seed."""
-    from bench.workloads import Workload
+    """A small random-prompt ``cbverify.bench.workloads.Workload`` (gsm8k-like or uniform shape) with drawn sizes and seed."""
+    from cbverify.bench.workloads import Workload
 
     completion = draw(length_dists(max_hi=max_len))
     return Workload(
@@ -237,12 +237,12 @@ def trainer_scenarios(
     max_completion_length: tuple[int, int] = (1, 8),
     max_steps: tuple[int, int] = (1, 1),
 ):
-    """A ``cbverify.trl_scenario.TrainerScenario``: a small TRL trainer run on one generation path with drawn
+    """A ``cbverify.upstream.scenario.TrainerScenario``: a small TRL trainer run on one generation path with drawn
     group size, lengths, sampling options, loss type, IS level/correction and gradient accumulation.
 
     RLOO is drawn only for the paths it offers (not ``rollout_func``); the rollout_func backend is ``cb_impl``'s
     adapter or the reference generator."""
-    from cbverify.trl_scenario import TrainerScenario
+    from cbverify.upstream.scenario import TrainerScenario
 
     path = draw(st.sampled_from(paths))
     is_greedy = draw(st.booleans()) if greedy is None else greedy

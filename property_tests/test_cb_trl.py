@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from cbverify.compare import compare_tokens
-from cbverify.models import resolve
 from cbverify.tolerances import FP32
 from reference import tasks
 from reference.generate import generate as reference_generate
+from reference.models import resolve
 from reference.spec import Rollout, RolloutRequest
 
 pytestmark = pytest.mark.upstream

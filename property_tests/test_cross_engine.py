@@ -15,9 +15,9 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from cbverify import compare
+from cbverify.cli.verify import DEFAULT_ENGINE_OPTIONS
 from cbverify.engines import get_engine
 from cbverify.tolerances import FP32, logprob_scale
-from cbverify.verify import DEFAULT_ENGINE_OPTIONS
 from property_tests.strategies import rollout_requests
 from reference import generate as ref_gen
 

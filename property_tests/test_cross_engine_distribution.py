@@ -11,15 +11,16 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 
+from cbverify.cli.verify import DEFAULT_ENGINE_OPTIONS
 from cbverify.distribution import distribution_test
 from cbverify.engines import get_engine
-from cbverify.verify import DEFAULT_ENGINE_OPTIONS
+from cbverify.tolerances import DISTRIBUTION_ALPHA
 from property_tests.strategies import sampling_params
 from reference import tasks
 from reference.spec import RolloutRequest, SamplingParams
 
 RNG_ENGINES = ("hf-generate", "transformers-cb")
-ALPHA = 1e-3
+ALPHA = DISTRIBUTION_ALPHA
 PROMPTS = [tuple(tasks.prompt_ids(p)) for p in tasks.make_problems(2, seed=7, max_terms=3)]
 SCENARIOS = {
     "T=1": SamplingParams(temperature=1.0, max_new_tokens=3),

@@ -13,6 +13,7 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
+from cbverify.tolerances import FLOAT64_ATOL, FLOAT64_CANCELLATION_ATOL, FLOAT64_RTOL
 from property_tests.strategies import grpo_batches, loss_configs
 from reference.advantages import compute_advantages
 from reference.loss import LossConfig, grpo_loss, importance_weights, k3_kl
@@ -49,7 +50,7 @@ def test_on_policy_ratio_is_exactly_one_and_the_gradient_is_reinforce(batch, con
             normaliser = {"grpo": num_seqs * count, "bnpo": total, "dapo": total, "cispo": total,
                           "dr_grpo": num_seqs * (config.max_completion_length or 0)}[config.loss_type]  # fmt: skip
             expected = -cap * float(advantages[i]) / normaliser if mask[i, t] else 0.0
-            assert math.isclose(float(grad[i, t]), expected, rel_tol=1e-9, abs_tol=1e-15), (i, t)
+            assert math.isclose(float(grad[i, t]), expected, rel_tol=FLOAT64_RTOL, abs_tol=FLOAT64_ATOL), (i, t)
 
 
 @given(batch=grpo_batches(max_log_ratio=1.5), config=loss_configs(loss_types=("grpo", "bnpo", "dr_grpo", "dapo")))
@@ -61,7 +62,9 @@ def test_clipping_zeroes_the_gradient_exactly_outside_the_trust_region_on_the_ad
     for i, t in zip(*torch.nonzero(mask, as_tuple=True), strict=True):
         ratio, adv = math.exp(float(per[i, t] - old[i, t])), float(advantages[i])
         bounds = [1 - config.epsilon_low, 1 + config.epsilon_high] + ([config.delta] if config.delta else [])
-        assume(all(abs(ratio - b) > 1e-9 for b in bounds))  # exactly on a boundary the subgradient is a convention
+        assume(
+            all(abs(ratio - b) > FLOAT64_RTOL for b in bounds)
+        )  # exactly on a boundary the subgradient is a convention
         outside = (
             adv == 0.0
             or (adv > 0 and ratio > 1 + config.epsilon_high)
@@ -87,9 +90,9 @@ def test_truncate_modes_bound_the_weights_and_mask_modes_zero_them(batch, config
         for raw, w in zip(raws, got, strict=True):
             if config.is_correction.endswith("truncate"):
                 assert lo <= w <= hi
-                assert math.isclose(w, min(max(raw, lo), hi), rel_tol=1e-9)
+                assert math.isclose(w, min(max(raw, lo), hi), rel_tol=FLOAT64_RTOL)
             elif lo <= raw <= hi:
-                assert math.isclose(w, raw, rel_tol=1e-9)
+                assert math.isclose(w, raw, rel_tol=FLOAT64_RTOL)
             else:
                 assert w == 0.0
 
@@ -114,7 +117,7 @@ def test_advantages_have_zero_mean_over_each_groups_scorable_rewards(batch, scal
     for start in range(0, len(rewards), n):
         scorable = ~torch.isnan(rewards[start : start + n])
         assert (advantages[start : start + n][~scorable] == 0).all()  # unscorable completions are not pushed
-        assert abs(float(advantages[start : start + n][scorable].sum())) < 1e-9
+        assert abs(float(advantages[start : start + n][scorable].sum())) < FLOAT64_RTOL
 
 
 @given(batch=grpo_batches(), scale=st.sampled_from(["group", "none"]), data=st.data())
@@ -125,10 +128,10 @@ def test_advantages_ignore_a_per_group_constant_and_batch_scaling_a_global_one(b
                                  max_size=num_groups))  # fmt: skip
     shifted = rewards + torch.tensor(offsets, dtype=torch.float64).repeat_interleave(n)
     torch.testing.assert_close(compute_advantages(shifted, n, scale), compute_advantages(rewards, n, scale),
-                               rtol=1e-7, atol=1e-7)  # fmt: skip
+                               rtol=0.0, atol=FLOAT64_CANCELLATION_ATOL)  # fmt: skip
     shifted_all = rewards + offsets[0]
     torch.testing.assert_close(compute_advantages(shifted_all, n, "batch"), compute_advantages(rewards, n, "batch"),
-                               rtol=1e-7, atol=1e-7)  # fmt: skip
+                               rtol=0.0, atol=FLOAT64_CANCELLATION_ATOL)  # fmt: skip
 
 
 @given(batch=grpo_batches(nan_rewards=False), config=loss_configs(), data=st.data())
@@ -154,7 +157,7 @@ def test_normalisers_behave_as_documented(batch, config, junk):
 
     padded = grpo_loss(pad(per, junk), pad(old, junk), pad(ref, junk), pad(sampling, junk), advantages,
                        pad(mask, 0), config).loss  # fmt: skip
-    torch.testing.assert_close(padded, base, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(padded, base, rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL)
 
     # 2. an extra empty sequence: per-sequence normalisers (grpo, dr_grpo) scale by B/(B+1), token ones do not
     def row(x: torch.Tensor, value: float) -> torch.Tensor:
@@ -164,12 +167,12 @@ def test_normalisers_behave_as_documented(batch, config, junk):
                          torch.cat([advantages, advantages[:1]]), row(mask, 0), config).loss  # fmt: skip
     num_seqs = mask.shape[0]
     factor = num_seqs / (num_seqs + 1) if config.loss_type in ("grpo", "dr_grpo") else 1.0
-    torch.testing.assert_close(extended, base * factor, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(extended, base * factor, rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL)
 
     # 3. when every sequence has the same length, grpo, bnpo and dapo agree
     if config.loss_type in ("grpo", "bnpo", "dapo"):
         full = torch.ones_like(mask)
         same = [grpo_loss(per, old, ref, sampling, advantages, full, dataclasses.replace(config, loss_type=kind)).loss
                 for kind in ("grpo", "bnpo", "dapo")]  # fmt: skip
-        torch.testing.assert_close(same[0], same[1], rtol=1e-12, atol=1e-15)
-        torch.testing.assert_close(same[1], same[2], rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(same[0], same[1], rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL)
+        torch.testing.assert_close(same[1], same[2], rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL)

@@ -10,7 +10,7 @@ Expected version: TRL 1.16.0 (``loss_type="dapo"`` default, ``use_bias_correctio
 advantages, IS correction inside ``_generate_and_score_completions``); the test names it and fails loudly on
 another version rather than silently comparing against different semantics.
 
-Tolerance: rtol 1e-6 (DESIGN §4), plus atol 1e-12 for values that are exactly 0 on one side. Every tensor handed
+Tolerance: ``MATH_RTOL``, plus ``MATH_ATOL`` for values that are exactly 0 on one side. Every tensor handed
 to TRL is float64, so TRL computes in float64 too, except the sampling log-probs, which TRL turns into a float32
 tensor; the strategy draws them float32-representable, so no rounding happens there either.
 """
@@ -26,13 +26,14 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cbverify.tolerances import MATH_ATOL, MATH_RTOL
 from property_tests.strategies import grpo_batches, loss_configs
 from reference.advantages import compute_advantages
 from reference.loss import grpo_loss, importance_weights
 
 pytestmark = pytest.mark.upstream
 EXPECTED_TRL = "1.16.0"
-RTOL = 1e-6
+RTOL = MATH_RTOL
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def trainer():
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from cbverify.models import load
+    from reference.models import load
 
     if trl.__version__ != EXPECTED_TRL:
         pytest.fail(f"this cross-check encodes TRL {EXPECTED_TRL} semantics; installed TRL is {trl.__version__}")
@@ -133,7 +134,7 @@ def test_reference_advantages_is_weights_and_loss_equal_trl_on_drawn_batches(tra
     # carry a relative error up to ~6e-8: well inside rtol 1e-6, but enough to be amplified where a loss gradient
     # cancels. So the loss below is fed TRL's own advantages, isolating the loss code from the advantage code.
     # atol: for a constant group TRL's plain mean can be one ulp (~4e-16) off, which eps = 1e-4 turns into ~4e-12.
-    torch.testing.assert_close(advantages, scored["advantages"], rtol=RTOL, atol=1e-10)
+    torch.testing.assert_close(advantages, scored["advantages"], rtol=RTOL, atol=MATH_ATOL)
 
     mask = batch["completion_mask"]
     if config.is_correction is not None:
@@ -142,8 +143,8 @@ def test_reference_advantages_is_weights_and_loss_equal_trl_on_drawn_batches(tra
 
     trl_loss, trl_grad = _trl_loss(trainer, scored, batch, config)
     ours, our_grad = _reference_loss(batch, scored["advantages"], config)
-    torch.testing.assert_close(ours.loss.detach(), trl_loss, rtol=RTOL, atol=1e-12)
-    torch.testing.assert_close(our_grad, trl_grad, rtol=RTOL, atol=1e-12)
+    torch.testing.assert_close(ours.loss.detach(), trl_loss, rtol=RTOL, atol=MATH_ATOL)
+    torch.testing.assert_close(our_grad, trl_grad, rtol=RTOL, atol=MATH_ATOL)
 
     logged = trainer._metrics["train"]
     if mask.shape[1] == 1 and not mask.all():
@@ -158,4 +159,4 @@ def test_reference_advantages_is_weights_and_loss_equal_trl_on_drawn_batches(tra
         assert ours.clip_low_fraction == pytest.approx(logged["clip_ratio/low_mean"][-1], rel=RTOL)
         assert ours.clip_high_fraction == pytest.approx(logged["clip_ratio/high_mean"][-1], rel=RTOL)
     if config.beta != 0.0:
-        assert ours.kl == pytest.approx(logged["kl"][-1], rel=RTOL, abs=1e-12)
+        assert ours.kl == pytest.approx(logged["kl"][-1], rel=RTOL, abs=MATH_ATOL)

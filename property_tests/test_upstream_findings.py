@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from cbverify.findings import FAIL, FINDINGS, NA, Finding, expected_status
-from cbverify.trl_suite import DEFAULT_SCENARIOS, check_scenario, greedy_agreement, judge
+from cbverify.upstream.findings import FAIL, FINDINGS, NA, Finding, expected_status
+from cbverify.upstream.suite import DEFAULT_SCENARIOS, check_scenario, greedy_agreement, judge
 
 pytestmark = pytest.mark.upstream
 

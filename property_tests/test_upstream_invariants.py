@@ -1,7 +1,7 @@
 """Upstream-integration invariants as Hypothesis properties over drawn trainer configurations (issue 6, point 2).
 
 Each example drives TRL 1.16's real GRPOTrainer / RLOOTrainer for a step on the bundled arithmetic Llama and runs
-every check of :data:`cbverify.trl_suite.CHECKS`; a FAIL is allowed only where the findings registry covers it.
+every check of :data:`cbverify.upstream.suite.CHECKS`; a FAIL is allowed only where the findings registry covers it.
 Trainer-backed examples cost 1-3 s each on 2 CPU cores, so these properties take one sixth of the profile's
 ``max_examples`` (ci: 8, dev: 2, thorough: 83).
 """
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
-from cbverify.trl_scenario import TrainerScenario
-from cbverify.trl_suite import check_scenario, greedy_agreement, judge
+from cbverify.upstream.scenario import TrainerScenario
+from cbverify.upstream.suite import check_scenario, greedy_agreement, judge
 from property_tests.strategies import trainer_scenarios
 
 pytestmark = pytest.mark.upstream

@@ -8,10 +8,11 @@ import json
 
 import pytest
 
-from cbverify import matrix, upstream
-from cbverify.findings import FAIL, FINDINGS, NA, PASS, CheckResult, by_id
-from cbverify.trl_scenario import PATHS, TrainerScenario
-from cbverify.trl_suite import CHECKS, DEFAULT_SCENARIOS, judge
+from cbverify.cli import upstream
+from cbverify.upstream import matrix
+from cbverify.upstream.findings import FAIL, FINDINGS, NA, PASS, CheckResult, by_id
+from cbverify.upstream.scenario import PATHS, TrainerScenario
+from cbverify.upstream.suite import CHECKS, DEFAULT_SCENARIOS, judge
 
 pytestmark = pytest.mark.upstream
 

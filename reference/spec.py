@@ -123,9 +123,10 @@ class Rollout:
 # arithmetic is exact and identical on any device: no overflow, no generator state, no global RNG.
 # The mixer is Chris Wellons' "lowbias32" integer hash (xorshift-multiply, two rounds).
 # ---------------------------------------------------------------------------------------------------------------
-_MASK32 = 0xFFFFFFFF
-_MUL1 = 0x7FEB352D
-_MUL2 = 0x846CA68B
+# The hash constants are part of the spec (public: a faster implementation, e.g. cb_impl.noise, must reuse them).
+MASK32 = 0xFFFFFFFF
+MIX_MUL1 = 0x7FEB352D
+MIX_MUL2 = 0x846CA68B
 _SALT_SEED_HI = 0x9E3779B9  # golden-ratio constant: keeps the seed's high word independent of its low word
 
 
@@ -133,15 +134,15 @@ def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
     """``(x * c) mod 2**32`` for x in [0, 2**32), computed in 16-bit halves so int64 never overflows."""
     lo = (x & 0xFFFF) * c  # < 2**48
     hi = ((x >> 16) * c) & 0xFFFF  # only the low 16 bits survive the shift below
-    return (lo + (hi << 16)) & _MASK32
+    return (lo + (hi << 16)) & MASK32
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
     """lowbias32: a bijective 32-bit integer hash with good avalanche. ``x`` is int64 in [0, 2**32)."""
     x = x ^ (x >> 16)
-    x = _mul32(x, _MUL1)
+    x = _mul32(x, MIX_MUL1)
     x = x ^ (x >> 15)
-    x = _mul32(x, _MUL2)
+    x = _mul32(x, MIX_MUL2)
     return x ^ (x >> 16)
 
 
@@ -151,9 +152,9 @@ def noise_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     ``seeds`` and ``positions`` are int64 of the same shape (B,); returns int64 (B,) in [0, 2**32).
     """
     seeds = seeds.to(torch.int64)
-    key = mix32(seeds & _MASK32)
-    key = mix32(key ^ ((seeds >> 32) & _MASK32) ^ _SALT_SEED_HI)
-    return mix32(key ^ (positions.to(torch.int64) & _MASK32))
+    key = mix32(seeds & MASK32)
+    key = mix32(key ^ ((seeds >> 32) & MASK32) ^ _SALT_SEED_HI)
+    return mix32(key ^ (positions.to(torch.int64) & MASK32))
 
 
 def noise_bits(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

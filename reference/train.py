@@ -2,7 +2,8 @@
 
 One step, in order:
 
-1. draw ``num_prompts`` arithmetic problems (``reference.tasks``; seeded by step) and ask the rollout engine for
+1. draw ``num_prompts`` arithmetic problems (``reference.tasks``; seeded by step) and ask the rollout engine (the
+   oracle's own ``reference.generate`` unless the caller passes another: ``cbverify train --engine cb_impl``) for
    ``num_generations`` completions of each (one counter-based sampling seed per completion);
 2. reward each completion (exact answer and EOS: 1, else 0), group-relative advantages (``reference.advantages``);
 3. teacher-force the trainer-side log-probs of the sampled tokens with the current weights (``old_per_token_logps``),
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib
+import functools
 import json
 import os
 import statistics
@@ -34,13 +35,11 @@ import torch
 
 from reference import tasks
 from reference.advantages import SCALE_REWARDS, compute_advantages
-from reference.generate import generate
+from reference.generate import generate as reference_generate
 from reference.logprobs import per_token_logps
 from reference.loss import IS_MODES, LOSS_TYPES, LossConfig, grpo_loss
 from reference.metrics import mismatch_metrics, pad_rows
 from reference.spec import Rollout, RolloutRequest, SamplingParams
-
-ENGINES = ("reference", "cb_impl")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +47,6 @@ class TrainConfig:
     """Everything one GRPO run depends on. Loss fields mirror ``reference.loss.LossConfig``."""
 
     model: str = "tiny-llama-arith"
-    engine: str = "reference"
     steps: int = 30
     num_prompts: int = 4
     num_generations: int = 4
@@ -69,8 +67,6 @@ class TrainConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         for name in ("steps", "num_prompts", "num_generations", "max_new_tokens", "num_iterations"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
@@ -89,19 +85,6 @@ class TrainConfig:
             loss_type=self.loss_type, epsilon_low=self.epsilon, epsilon_high=self.epsilon_high, beta=self.beta,
             is_correction=self.is_correction, is_clip_max=self.is_clip_max, max_completion_length=self.max_new_tokens,
         )  # fmt: skip
-
-
-def make_engine(name: str, model) -> Callable[[Sequence[RolloutRequest]], list[Rollout]]:
-    """``requests -> rollouts`` for the chosen engine; ``cb_impl`` is imported only when chosen."""
-    if name == "reference":
-        return lambda requests: generate(model, requests)
-    try:
-        engine_module = importlib.import_module("cb_impl.engine")
-        config_module = importlib.import_module("cb_impl.config")
-    except ImportError as err:
-        raise RuntimeError(f"--engine cb_impl needs the cb_impl package, which failed to import: {err}") from err
-    engine = engine_module.LLMEngine(model, config_module.EngineConfig(num_blocks=512, max_model_len=256))
-    return engine.generate
 
 
 def step_requests(config: TrainConfig, step: int) -> tuple[list[tasks.ArithProblem], list[RolloutRequest]]:
@@ -124,13 +107,20 @@ def step_requests(config: TrainConfig, step: int) -> tuple[list[tasks.ArithProbl
     return problems, requests
 
 
-def train(config: TrainConfig, log: Callable[[dict], None] | None = None, model=None) -> list[dict]:
+Generate = Callable[[Sequence[RolloutRequest]], list[Rollout]]
+
+
+def train(
+    config: TrainConfig, log: Callable[[dict], None] | None = None, model=None, generate: Generate | None = None
+) -> list[dict]:
     """Run ``config.steps`` GRPO steps and return one metrics dict per step (also passed to ``log``).
 
-    ``model`` defaults to a fresh ``cbverify``-style load of ``config.model`` (float32, CPU); it is trained in place.
+    ``model`` defaults to a fresh load of ``config.model`` (float32, CPU); it is trained in place. ``generate`` is the
+    rollout engine (``requests -> rollouts`` in request order); it must read ``model``'s live weights at every call.
+    The default is the oracle, ``reference.generate.generate`` on ``model``.
     """
     if model is None:
-        from cbverify.models import load  # transformers is needed only to load the model
+        from reference.models import load  # transformers is needed only to load the model
 
         model, _ = load(config.model)
     torch.manual_seed(config.seed)
@@ -138,14 +128,15 @@ def train(config: TrainConfig, log: Callable[[dict], None] | None = None, model=
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=0.0)
     loss_config = config.loss_config()
     history: list[dict] = []
-    generate = make_engine(config.engine, model)  # built once: the engine reads the live weights at every step
+    if generate is None:
+        generate = functools.partial(reference_generate, model)
     for step in range(config.steps):
         start = time.perf_counter()
         problems, requests = step_requests(config, step)
         model.eval()
         rollouts = generate(requests)
         if [r.request_id for r in rollouts] != [q.request_id for q in requests]:
-            raise RuntimeError(f"engine {config.engine!r} returned rollouts out of request order or incomplete")
+            raise RuntimeError("the rollout engine returned rollouts out of request order or incomplete")
         problem_of = [problem for problem in problems for _ in range(config.num_generations)]
         rewards = torch.tensor([tasks.reward(p, r.completion_ids) for p, r in zip(problem_of, rollouts, strict=True)])
         advantages = compute_advantages(rewards, config.num_generations, config.scale_rewards)  # (B,)
@@ -183,14 +174,19 @@ def train(config: TrainConfig, log: Callable[[dict], None] | None = None, model=
     return history
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m reference.train") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m reference.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    add_arguments(parser)
+    return parser
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per ``TrainConfig`` field, plus ``--json`` and ``--threads`` (``cbverify train`` adds ``--engine``)."""
     defaults = TrainConfig()
     helps = {
         "model": "bundled model name or local checkpoint directory",
-        "engine": "rollout engine: 'reference' (slow oracle) or 'cb_impl' (our continuous-batching engine)",
         "steps": "optimizer steps (one generation batch each)",
         "num_prompts": "problems per step", "num_generations": "completions per problem (the GRPO group size)",
         "min_terms": "fewest numbers in a problem", "max_terms": "most numbers in a problem",
@@ -208,19 +204,22 @@ def build_parser() -> argparse.ArgumentParser:
         default = getattr(defaults, field.name)
         kind = {"int": int, "float": float}.get(str(field.type).split(" ")[0], str)  # "float | None" -> float
         flag = "--" + field.name.replace("_", "-")
-        choices = {"engine": ENGINES, "loss_type": LOSS_TYPES, "scale_rewards": SCALE_REWARDS,
+        choices = {"loss_type": LOSS_TYPES, "scale_rewards": SCALE_REWARDS,
                    "is_correction": IS_MODES}  # fmt: skip
         extra = {"choices": choices[field.name]} if field.name in choices else {}
         help_text = f"{helps[field.name]} (default: {default})"
         parser.add_argument(flag, type=kind, default=default, help=help_text, **extra)
     parser.add_argument("--json", action="store_true", help="print one JSON object per step instead of a table row")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    args = build_parser().parse_args(argv)
+    return run(build_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace, make_generate: Callable[[object], Generate] | None = None) -> int:
+    """Train as ``args`` say and print a table row (or JSON) per step; ``make_generate(model)`` builds the engine."""
     torch.set_num_threads(args.threads)
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
     print(json.dumps(asdict(config)), file=sys.stderr)
@@ -241,7 +240,10 @@ def main(argv: list[str] | None = None) -> int:
         bar.update(1)
 
     start = time.perf_counter()
-    history = train(config, log=log)
+    from reference.models import load
+
+    model, _ = load(config.model)
+    history = train(config, log=log, model=model, generate=make_generate(model) if make_generate else None)
     bar.close()
     rewards = [r["mean_reward"] for r in history]
     k = max(1, len(rewards) // 5)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bench.measure import clock, count_forwards
+from cbverify.bench.measure import clock, count_forwards
 from reference.spec import RolloutRequest
 
 ENGINES = ("generate", "transformers-cb", "cb_impl")

@@ -12,8 +12,8 @@ import argparse
 import os
 from pathlib import Path
 
-from bench.engines import ENGINES
-from bench.workloads import WORKLOADS
+from cbverify.bench.engines import ENGINES
+from cbverify.bench.workloads import WORKLOADS
 
 GRPO_NS = (8, 32, 64)
 
@@ -83,8 +83,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bench import report
-    from bench.suite import SuiteConfig, run_suite
+    from cbverify.bench import report
+    from cbverify.bench.suite import SuiteConfig, run_suite
 
     if args.device.startswith("cuda"):
         import torch
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
                          else args.time_forwards, profile=args.profile)  # fmt: skip
     result = run_suite(config, out, from_logs=args.from_logs)
     if args.grpo:
-        from bench.grpo_step import GrpoConfig, run_grpo
+        from cbverify.bench.grpo_step import GrpoConfig, run_grpo
 
         result["grpo"] = run_grpo(GrpoConfig(device=args.device, ns=tuple(args.grpo_n), steps=args.grpo_steps,
                                              threads=args.threads, model=args.grpo_model), out,

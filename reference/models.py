@@ -51,6 +51,16 @@ def load(name_or_path: str | Path = DEFAULT_MODEL, *, dtype: str | torch.dtype =
     return model.to(device).eval(), tokenizer
 
 
+def random_like(name_or_path: str | Path = DEFAULT_MODEL, *, seed: int = 0):
+    """``(model, tokenizer)``: the checkpoint's architecture and tokenizer with fresh random weights from ``seed``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = resolve(name_or_path)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, local_files_only=True))
+    return model.eval(), load_tokenizer(path)
+
+
 def load_tokenizer(path: Path):
     """The tokenizer class the checkpoint declares; ``AutoTokenizer`` only when it declares a specialised one.
 

@@ -9,11 +9,15 @@ import os
 import sys
 
 SUBCOMMANDS = {
-    "verify": ("cbverify.verify", "every engine against the reference oracle on one model; PASS/FAIL per engine"),
-    "golden": ("cbverify.golden_cmd", "record or check golden log-prob regression files"),
-    "bench": ("cbverify.bench_cmd", "side-by-side throughput/memory benchmarks with plots"),
-    "upstream": ("cbverify.upstream", "TRL / transformers integration checks and the findings registry"),
-    "matrix": ("cbverify.matrix", "run the upstream checks across several transformers/trl versions"),
+    "verify": ("cbverify.cli.verify", "every engine against the reference oracle on one model; PASS/FAIL per engine"),
+    "golden": ("cbverify.cli.golden", "record or check golden log-prob regression files"),
+    "bench": ("cbverify.cli.bench", "side-by-side throughput/memory benchmarks with plots"),
+    "upstream": ("cbverify.cli.upstream", "TRL / transformers integration checks and the findings registry"),
+    "matrix": ("cbverify.cli.matrix", "run the upstream checks across several transformers/trl versions"),
+    "train": (
+        "cbverify.cli.train",
+        "the oracle's GRPO loop on the bundled model, with the reference or cb_impl engine",
+    ),
 }
 
 
@@ -21,13 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cbverify", description="Can I trust my continuous-batching rollouts?")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in SUBCOMMANDS.items():
-        try:
-            configure = importlib.import_module(module).configure
-        except ModuleNotFoundError as err:
-            if err.name != module:
-                raise
-            continue  # a subcommand whose module is not written yet is simply not offered
-        configure(sub.add_parser(name, help=help_text, description=help_text))
+        importlib.import_module(module).configure(sub.add_parser(name, help=help_text, description=help_text))
     return parser
 
 

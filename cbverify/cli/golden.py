@@ -30,7 +30,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from golden import cases as golden_cases
+    from cbverify.golden import cases as golden_cases
 
     if args.threads < 1:
         print(f"error: --threads must be >= 1, got {args.threads}", file=sys.stderr)
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _record(cases: list, args: argparse.Namespace) -> int:
-    from golden.record import RecordRefused, record
+    from cbverify.golden.record import RecordRefused, record
 
     try:
         written = record(cases, args.device, force=args.force)
@@ -64,7 +64,7 @@ def _record(cases: list, args: argparse.Namespace) -> int:
 def _check(cases: list, args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from golden.check import check_case
+    from cbverify.golden.check import check_case
 
     results = []
     for case in tqdm(cases, desc="checking goldens", unit="case"):

@@ -5,7 +5,7 @@
   dominate a decode step at batch >= 16, small enough for the full CPU run to fit ~10 minutes on 2 cores.
 - ``random`` on CUDA: Llama-3.2-1B's shape (hidden 2048, 16 layers, 32/8 heads, MLP 8192, vocab 128256, tied
   embeddings, rope theta 500000) with random weights in bf16, when no checkpoint is given.
-- anything else: ``cbverify.models.load(name_or_path)`` (bundled names or a local Hugging Face directory).
+- anything else: ``reference.models.load(name_or_path)`` (bundled names or a local Hugging Face directory).
 
 Weights are seeded (``torch.manual_seed(0)``), so every engine and every subprocess sees the same model.
 The attention implementation is the best available: ``flash_attention_2`` on CUDA when installed, else ``sdpa``.
@@ -54,7 +54,7 @@ def parse_dtype(name: str | None, device: str) -> torch.dtype:
     """``None`` -> the device default (fp32 CPU, bf16 CUDA); else one of float32 / bfloat16 / float16."""
     if name is None:
         return default_dtype(device)
-    from cbverify.models import parse_dtype as parse
+    from reference.models import parse_dtype as parse
 
     return parse(name)
 
@@ -78,7 +78,7 @@ def load_bench_model(name: str, *, device: str = "cpu", dtype: torch.dtype | Non
             torch.set_default_dtype(previous)
         label = "random Llama-3.2-1B shape" if device.startswith("cuda") else "random Llama h256 L4 V4096"
     else:
-        from cbverify.models import load
+        from reference.models import load
 
         model, _ = load(name, dtype=dtype, device=device)
         model.set_attn_implementation(attn)

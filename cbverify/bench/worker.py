@@ -1,4 +1,4 @@
-"""One engine on one workload at several N, in a process of its own: ``python -m bench.worker --engine ...``.
+"""One engine on one workload at several N, in a process of its own: ``python -m cbverify.bench.worker --engine ...``.
 
 A fresh process per (engine, workload) keeps one engine's allocations out of another's peak RSS. N runs in ascending
 order, so the process's lifetime peak RSS after case N is the peak of case N (memory grows with N). Each case is
@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from bench import measure
-from bench.engines import ENGINES, RUNNERS, EngineOptions
-from bench.models import load_bench_model, parse_dtype
-from bench.workloads import WORKLOADS, LengthDist, Workload, kv_budget_tokens, make_requests, make_workload
+from cbverify.bench import measure
+from cbverify.bench.engines import ENGINES, RUNNERS, EngineOptions
+from cbverify.bench.models import load_bench_model, parse_dtype
+from cbverify.bench.workloads import WORKLOADS, LengthDist, Workload, kv_budget_tokens, make_requests, make_workload
 
 CB_IMPL_BLOCK_SIZE = 16  # cb_impl's EngineConfig default block size
 

@@ -10,7 +10,7 @@ import json
 import textwrap
 from pathlib import Path
 
-from bench.engines import ENGINES
+from cbverify.bench.engines import ENGINES
 
 COLORS = {"generate": "#1f77b4", "transformers-cb": "#ff7f0e", "cb_impl": "#2ca02c"}
 

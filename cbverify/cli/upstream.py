@@ -1,7 +1,7 @@
 """``cbverify upstream``: the findings registry, and (with ``--run``) every upstream invariant on the installed stack.
 
-Without flags it prints :data:`cbverify.findings.FINDINGS` (id, path, checks, condition, affected versions,
-evidence). ``--run`` drives TRL's trainers through :data:`cbverify.trl_suite.DEFAULT_SCENARIOS` with a progress bar
+Without flags it prints :data:`cbverify.upstream.findings.FINDINGS` (id, path, checks, condition, affected versions,
+evidence). ``--run`` drives TRL's trainers through :data:`cbverify.upstream.suite.DEFAULT_SCENARIOS` with a progress bar
 and prints one line per (scenario, check): PASS / NOT-APPLICABLE / XFAIL(<finding>) are fine; FAIL (not covered by
 a finding) and FIXED?(<finding>) (a finding that stopped reproducing) make the exit code 1. ``--json`` writes the
 results for ``cbverify matrix``.
@@ -24,7 +24,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--random-model",
         action="store_true",
-        help="use a seeded random-weight tiny Llama instead of --model (when the bundled checkpoints are absent)",
+        help="--model's architecture and tokenizer with seeded random weights instead of its trained ones",
     )
     parser.add_argument("--path", choices=("generate", "cb", "rollout_func"), help="only scenarios on this path")
     parser.add_argument("--json", type=Path, help="write the results (and versions) to this JSON file")
@@ -32,7 +32,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def findings_table() -> str:
-    from cbverify.findings import FINDINGS
+    from cbverify.upstream.findings import FINDINGS
 
     lines = [f"{len(FINDINGS)} upstream findings (each asserted to still reproduce by the upstream tests):", ""]
     for f in FINDINGS:
@@ -45,24 +45,15 @@ def findings_table() -> str:
 
 
 def load_model(args: argparse.Namespace):
-    """``(model, tokenizer)``: the requested checkpoint, or with ``--random-model`` a seeded random tiny Llama."""
-    import torch
+    """``(model, tokenizer)``: the requested checkpoint, or with ``--random-model`` its architecture, random weights."""
+    from reference.models import load, random_like
 
-    if args.random_model:
-        from transformers import LlamaForCausalLM
-
-        from golden.build_models import build_tokenizer, llama_config
-
-        torch.manual_seed(0)
-        return LlamaForCausalLM(llama_config()).eval(), build_tokenizer()
-    from cbverify.models import load
-
-    return load(args.model)
+    return random_like(args.model, seed=0) if args.random_model else load(args.model)
 
 
 def results_payload(rows, elapsed: float, model_name: str, model_type: str) -> dict:
-    from cbverify.trl_paths import versions
-    from cbverify.trl_suite import judge
+    from cbverify.upstream.run import versions
+    from cbverify.upstream.suite import judge
 
     out = []
     for scenario, result in rows:
@@ -99,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
-    from cbverify.trl_suite import DEFAULT_SCENARIOS, run_suite
+    from cbverify.upstream.suite import DEFAULT_SCENARIOS, run_suite
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     model, tokenizer = load_model(args)

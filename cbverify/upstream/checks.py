@@ -1,6 +1,6 @@
 """Structural invariants of one captured trainer run: alignment, failures, "generation leaves no trace", IS plumbing.
 
-Each function takes ``(scenario, capture)`` and returns :class:`~cbverify.findings.CheckResult` objects, one per
+Each function takes ``(scenario, capture)`` and returns :class:`~cbverify.upstream.findings.CheckResult` objects, one per
 check, PASS / FAIL / NOT-APPLICABLE with a one-line reason. Expected prompt ids are rebuilt independently of TRL
 (BOS + the task's character encoding), never read back from the trainer.
 """
@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from cbverify.findings import FAIL, NA, PASS, CheckResult
-from cbverify.trl_capture import Capture, GenerationRecord
-from cbverify.trl_scenario import TrainerScenario
+from cbverify.tolerances import PASS_THROUGH_ATOL
+from cbverify.upstream.capture import Capture, GenerationRecord
+from cbverify.upstream.findings import FAIL, NA, PASS, CheckResult
+from cbverify.upstream.scenario import TrainerScenario
 from reference import tasks
 
 
@@ -175,7 +176,9 @@ def sampler_logprobs_reach_trainer(scenario: TrainerScenario, capture: Capture) 
     sampled, mask = scored["sampling_per_token_logps"], scored["completion_mask"]
     for i, lps in enumerate(record.sampler_logprobs):
         got = sampled[i][mask[i].bool()].double()
-        if got.numel() != len(lps) or not torch.allclose(got, torch.tensor(lps, dtype=torch.float64), atol=1e-6):
+        if got.numel() != len(lps) or not torch.allclose(
+            got, torch.tensor(lps, dtype=torch.float64), atol=PASS_THROUGH_ATOL
+        ):
             return [_result(check, scenario, FAIL, f"row {i}: sampling_per_token_logps != the rollout's log-probs")]
     return [_result(check, scenario, PASS, f"{len(record.sampler_logprobs)} rows reach sampling_per_token_logps")]
 

@@ -1,8 +1,8 @@
-"""Drive TRL's real trainers offline, one :class:`~cbverify.trl_scenario.TrainerScenario` at a time.
+"""Drive TRL's real trainers offline, one :class:`~cbverify.upstream.scenario.TrainerScenario` at a time.
 
 :func:`run_scenario` copies the model (the caller's stays untouched), builds the trainer for the scenario's
-generation path, wraps it with :mod:`cbverify.trl_capture`, trains (or evaluates) for ``max_steps`` steps and returns
-the :class:`~cbverify.trl_capture.Capture`. A trainer that raises does not raise here: the error is kept in
+generation path, wraps it with :mod:`cbverify.upstream.capture`, trains (or evaluates) for ``max_steps`` steps and returns
+the :class:`~cbverify.upstream.capture.Capture`. A trainer that raises does not raise here: the error is kept in
 ``capture.run_error`` so that each check can report it as a FAIL with its reason (a crash is a result).
 
 :func:`feature_support` says which trainer features the installed versions offer (checked by presence, never
@@ -18,9 +18,9 @@ import warnings
 
 import torch
 
-from cbverify.trl_capture import Capture, install
-from cbverify.trl_rollout import cb_impl_available, make_rollout_func, resolve_backend
-from cbverify.trl_scenario import TrainerScenario, build_trainer
+from cbverify.upstream.capture import Capture, install
+from cbverify.upstream.rollout import make_rollout_func
+from cbverify.upstream.scenario import TrainerScenario, build_trainer
 
 
 def versions() -> dict[str, str]:
@@ -67,7 +67,7 @@ HOOKS = ("_generate", "_calculate_rewards", "_generate_and_score_completions", "
 
 
 def missing_hooks(trainer: str) -> str | None:
-    """The private trainer methods :mod:`cbverify.trl_capture` wraps that this TRL lacks, named, or ``None``."""
+    """The private trainer methods :mod:`cbverify.upstream.capture` wraps that this TRL lacks, named, or ``None``."""
     import trl
 
     cls = trl.GRPOTrainer if trainer == "grpo" else trl.RLOOTrainer
@@ -84,8 +84,6 @@ def not_applicable(scenario: TrainerScenario) -> str | None:
         return hooks
     if scenario.path == "rollout_func" and scenario.trainer != "grpo":
         return f"RLOOTrainer (trl {versions()['trl']}) offers no rollout_func"
-    if scenario.path == "rollout_func" and scenario.rollout_backend == "cb_impl" and not cb_impl_available():
-        return "cb_impl.trl.make_rollout_func is not importable"
     if scenario.path == "cb" and scenario.cb_return_logprobs and support["cb_return_logprobs"]:
         return support["cb_return_logprobs"]
     if scenario.bf16 and not torch.cuda.is_available() and not _cpu_bf16_ok():
@@ -112,7 +110,7 @@ def run_scenario(scenario: TrainerScenario, model, tokenizer) -> Capture:
     capture = Capture()
     rollout_func = None
     if scenario.path == "rollout_func":
-        capture.rollout_backend = resolve_backend(scenario.rollout_backend)
+        capture.rollout_backend = scenario.rollout_backend
         rollout_func = make_rollout_func(capture.rollout_backend, work_model, tokenizer, base_seed=scenario.seed)
     with warnings.catch_warnings(), _quiet_loggers():
         # TRL/transformers deprecation chatter (gradient_checkpointing -> activation_checkpointing, block_size) is

@@ -1,5 +1,5 @@
 """TRL ``GRPOTrainer`` steps with each generation path, in the shape of TRL PR #5765's table (step time, speedup and
-peak-memory delta versus ``generate()``): ``python -m bench.grpo_step --path generate --n 8 32 64 --out f.jsonl``.
+peak-memory delta versus ``generate()``): ``python -m cbverify.bench.grpo_step --path generate --n 8 32 64 --out f.jsonl``.
 
 Paths: ``generate`` (TRL's default), ``transformers-cb`` (``use_transformers_continuous_batching=True`` with TRL's
 ``max_memory_percent=0.5``; on CPU also explicit ``num_blocks`` / ``max_batch_tokens``), ``cb_impl``
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench import measure
+from cbverify.bench import measure
 from reference import tasks
 
 PATHS = ("generate", "transformers-cb", "cb_impl")
@@ -68,7 +68,7 @@ def run_case(path: str, n: int, cfg: GrpoConfig, out_dir: str) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from cbverify.models import load
+    from reference.models import load
 
     model, tokenizer = load(cfg.model, device=cfg.device)
     batch = cfg.num_prompts * n
@@ -135,7 +135,7 @@ def run_grpo(cfg: GrpoConfig, out_dir: Path, *, from_logs: bool = False) -> dict
     for path in tqdm(cfg.paths, desc="grpo-step", unit="path"):
         out = log_dir / f"grpo-{path}.jsonl"
         out.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "bench.grpo_step", "--path", path, "--n", *map(str, cfg.ns), "--device",
+        cmd = [sys.executable, "-m", "cbverify.bench.grpo_step", "--path", path, "--n", *map(str, cfg.ns), "--device",
                cfg.device, "--steps", str(cfg.steps), "--num-prompts", str(cfg.num_prompts), "--model", cfg.model,
                "--threads", str(cfg.threads), "--out", str(out)]  # fmt: skip
         with open(log_dir / f"grpo-{path}.log", "w") as log:

@@ -1,6 +1,6 @@
 """Measure the noise the golden tolerances must absorb, and the signal they must still catch.
 
-``python -m golden.measure_noise [--case ...] [--engine NAME ...] [--threads N ...]`` prints, per case (one JSON line),
+``python -m cbverify.golden.measure_noise [--case ...] [--engine NAME ...] [--threads N ...]`` prints, per case (one JSON line),
 the max |Δ| and mean Δ of every recorded log-prob series between the committed golden (2 threads) and
 
 - ``fresh-process``: the reference recomputed in this process (run-to-run noise across processes);
@@ -8,7 +8,7 @@ the max |Δ| and mean Δ of every recorded log-prob series between the committed
 - ``engine:<name>`` (with ``--engine``): each harness engine's sampling log-probs on the common token prefix;
 - ``perturbed``: the signal: N(0, 1e-3) noise added to one layer's ``mlp.down_proj`` weight (what the tests inject).
 
-The output is the evidence behind ``golden.tolerances``; rerun it when the stack changes and update the reasons.
+The output is the evidence behind the golden tolerances in ``cbverify.tolerances``; rerun it when the stack changes and update the reasons.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import json
 
 import torch
 
-from cbverify.models import load
-from golden.cases import GoldenCase, select
-from golden.record import reference_rollouts
+from cbverify.golden.cases import GoldenCase, select
+from cbverify.golden.record import reference_rollouts
+from reference.models import load
 
 SERIES = ("sampling_logprobs", "per_token_logps", "processed_per_token_logps", "top5_logprobs")
 
@@ -58,7 +58,7 @@ def series_delta(base: list[dict], other: list[dict]) -> dict:
 
 
 def engine_delta(name: str, model, case: GoldenCase, base: list[dict]) -> dict | str:
-    from golden.check import build_engine
+    from cbverify.golden.check import build_engine
 
     engine = build_engine(name, model)
     if isinstance(engine, str):
@@ -77,7 +77,7 @@ def engine_delta(name: str, model, case: GoldenCase, base: list[dict]) -> dict |
 
 def measure(case: GoldenCase, *, engines: list[str], threads: tuple[int, ...]) -> dict:
     """Deltas against the committed golden (recorded in another process: so ``fresh-process`` is run-to-run noise)."""
-    from golden.check import load_record
+    from cbverify.golden.check import load_record
 
     base = load_record(case, "cpu")["rollouts"]
     model, _ = load(case.model, dtype=case.dtype)

@@ -14,13 +14,21 @@ from __future__ import annotations
 
 import torch
 
-from cbverify.findings import FAIL, NA, PASS, CheckResult
-from cbverify.trl_capture import Capture
-from cbverify.trl_scenario import TrainerScenario
+from cbverify.tolerances import (
+    BOUNDARY_RELAX,
+    FP32,
+    LOW_PRECISION,
+    SEMANTICS_GAP,
+    TRAINER_FP32,
+    TRAINER_FP32_GRAD_ATOL,
+)
+from cbverify.upstream.capture import Capture
+from cbverify.upstream.findings import FAIL, NA, PASS, CheckResult
+from cbverify.upstream.scenario import TrainerScenario
 from reference.spec import SamplingParams
 
-FP32_MAX, BF16_MAX, BF16_MEAN = 1e-5, 5e-2, 1e-2  # DESIGN §4
-LOSS_RTOL, LOSS_ATOL = 1e-5, 1e-6  # TRL computes the loss in float32; the reference in float64
+FP32_MAX, BF16_MAX, BF16_MEAN = FP32.logprob_max_abs, LOW_PRECISION.logprob_max_abs, LOW_PRECISION.logprob_mean_abs
+LOSS_RTOL, LOSS_ATOL = TRAINER_FP32.rtol, TRAINER_FP32.atol
 
 
 def _result(check: str, scenario: TrainerScenario, status: str, reason: str) -> CheckResult:
@@ -54,7 +62,7 @@ def _groups(rewards: torch.Tensor, num_generations: int) -> list[tuple[int, bool
 
 
 def advantages_match_reference(scenario: TrainerScenario, capture: Capture, scale_rewards: str) -> list[CheckResult]:
-    """Two checks: groups with reward variance match the float64 reference (rtol 1e-5: TRL computes in float32);
+    """Two checks: groups with reward variance match the float64 reference (``TRAINER_FP32``: TRL computes in float32);
     groups whose rewards are all equal get advantage exactly 0 (what the reference gives: nothing to learn)."""
     from reference.advantages import compute_advantages
 
@@ -129,7 +137,7 @@ def loss_matches_reference(scenario: TrainerScenario, capture: Capture, trainer_
             (ref.loss / scale).backward()
             got, want = record.logps_grad[0].double(), per.grad * x["completion_mask"].double()
             got = got * x["completion_mask"].double()
-            if not torch.allclose(got, want, rtol=LOSS_RTOL, atol=1e-8):
+            if not torch.allclose(got, want, rtol=LOSS_RTOL, atol=TRAINER_FP32_GRAD_ATOL):
                 diff = float((got - want).abs().max())
                 return [_result(check, scenario, FAIL, f"dloss/dlogps differs from the reference (max {diff:.2e})")]
             worst_grad = max(worst_grad, float((got - want).abs().max()))
@@ -138,10 +146,10 @@ def loss_matches_reference(scenario: TrainerScenario, capture: Capture, trainer_
 
 
 def _sampling(scenario: TrainerScenario, *, relax: bool = False) -> SamplingParams:
-    """The scenario's options; ``relax`` widens top-p / min-p by 1e-3 so a token at a numerical boundary passes."""
+    """The scenario's options; ``relax`` widens top-p / min-p by ``BOUNDARY_RELAX`` (a token at a numerical cut)."""
     top_p, min_p = scenario.top_p, scenario.min_p
     if relax:
-        top_p, min_p = min(1.0, top_p + 1e-3), min_p * (1 - 1e-3)
+        top_p, min_p = min(1.0, top_p + BOUNDARY_RELAX), min_p * (1 - BOUNDARY_RELAX)
     return SamplingParams(temperature=scenario.temperature, top_k=scenario.top_k, top_p=top_p, min_p=min_p,
                           max_new_tokens=scenario.max_completion_length)  # fmt: skip
 
@@ -161,7 +169,7 @@ def _penalised_argmax_ok(model, prompt, completion, penalty: float) -> tuple[int
         scores = processor(prefix, logits[i : i + 1].clone())[0]  # (V,)
         changed += int(torch.argmax(scores)) != int(torch.argmax(logits[i]))
         top2 = torch.topk(scores, 2).values
-        if token != int(torch.argmax(scores)) and float(top2[0] - top2[1]) > 1e-4:
+        if token != int(torch.argmax(scores)) and float(top2[0] - top2[1]) > FP32.near_tie_gap:
             return i, changed
     return None, changed
 
@@ -229,7 +237,7 @@ def sampler_logprob_semantics(scenario: TrainerScenario, capture: Capture, model
     given = record.sampler_logprobs or [list(o.logprobs) for o in record.raw_outputs or [] if o.logprobs] or None
     if given is None or scenario.greedy:
         return [_result(check, scenario, NA, "path exposes no sampler log-probs" if given is None else "greedy")]
-    tol = BF16_MAX if scenario.bf16 else 1e-4
+    tol = BF16_MAX if scenario.bf16 else SEMANTICS_GAP
     cut = [lp[: len(c)] for lp, c in zip(given, record.completion_ids, strict=True)]
     sampling = [_sampling(scenario)] * len(cut)
     processed = processed_per_token_logps(model, record.prompt_ids, record.completion_ids, sampling)

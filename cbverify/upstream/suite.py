@@ -11,12 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import replace
 
-from cbverify import trl_checks as checks
-from cbverify import trl_numerics as numerics
-from cbverify.findings import FAIL, NA, PASS, CheckResult, by_id, expected_status
-from cbverify.trl_capture import Capture
-from cbverify.trl_paths import not_applicable, run_scenario
-from cbverify.trl_scenario import TrainerScenario
+from cbverify.upstream import checks, numerics
+from cbverify.upstream.capture import Capture
+from cbverify.upstream.findings import FAIL, NA, PASS, CheckResult, by_id, expected_status
+from cbverify.upstream.run import not_applicable, run_scenario
+from cbverify.upstream.scenario import TrainerScenario
 
 CHECKS = (
     "run_completes", "no_silent_request_failure", "completions_aligned", "generation_keeps_attn_and_config",
@@ -119,7 +118,7 @@ def greedy_agreement(model, tokenizer, base: TrainerScenario = GREEDY_AGREEMENT)
     if not base.greedy:
         raise ValueError("greedy_agreement needs a greedy scenario")
     captures = {}
-    variants = [("generate", "generate", "auto"), ("cb", "cb", "auto"), ("rollout_func[reference]", "rollout_func",
+    variants = [("generate", "generate", "cb_impl"), ("cb", "cb", "cb_impl"), ("rollout_func[reference]", "rollout_func",
                 "reference"), ("rollout_func[cb_impl]", "rollout_func", "cb_impl")]  # fmt: skip
     for label, path, backend in variants:
         scenario = replace(base, path=path, rollout_backend=backend)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cbverify.trl_scenario import TrainerScenario
+from cbverify.upstream.scenario import TrainerScenario
 
 PASS, FAIL, NA = "PASS", "FAIL", "NOT-APPLICABLE"
 STATUSES = (PASS, FAIL, NA)

@@ -6,7 +6,7 @@ Contract:
   ``reference.generate.generate`` on the case's requests and teacher-forces the resulting tokens through
   ``reference.logprobs`` (full-support trainer log-probs, processed sampler log-probs, raw top-5 per position), plus,
   for a case with ``trajectory_steps``, that many steps of ``reference.train``. Two runs in two fresh processes give
-  identical records apart from the volatile env keys (``golden.env.VOLATILE_KEYS``).
+  identical records apart from the volatile env keys (``cbverify.golden.env.VOLATILE_KEYS``).
 - :func:`record` writes ``golden/records/<device_class>/<case>.json``. It refuses a dirty git tree (changes outside
   ``golden/records/``) unless ``require_clean=False`` and refuses to overwrite an existing record unless
   ``force=True``; both refusals raise :class:`RecordRefused` with the reason.
@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from cbverify.models import load
-from golden import env as golden_env
-from golden.cases import RECORDS_DIR, GoldenCase, record_path
+from cbverify.golden import env as golden_env
+from cbverify.golden.cases import RECORDS_DIR, GoldenCase, record_path
 from reference import generate as ref_generate
 from reference import logprobs as ref_logprobs
+from reference.models import load
 
 FORMAT_VERSION = 1
 TOP_K = 5
@@ -97,7 +97,9 @@ def run_trajectory(case: GoldenCase, device: str = "cpu", *, model=None, config:
         return None
     from reference.train import TrainConfig, train
 
-    config = config if config is not None else trajectory_config(case)
+    config = dict(config) if config is not None else trajectory_config(case)
+    if config.pop("engine", "reference") != "reference":  # records made while TrainConfig still named the engine
+        raise ValueError("a golden trajectory is the oracle's: its stored config must not name another engine")
     model = copy.deepcopy(model) if model is not None else load(case.model, dtype=case.dtype, device=device)[0]
     history = train(TrainConfig(**config), model=model)
     steps = [{"step": h["step"], **{k: (None if h[k] is None else float(h[k])) for k in TRAJECTORY_METRICS}}
@@ -118,8 +120,12 @@ def build_record(case: GoldenCase, device: str = "cpu", *, model=None) -> dict:
             "trainer_temperature": case.trainer_temperature,
             "top_k_recorded": TOP_K,
             "requests": [
-                {"request_id": r.request_id, "prompt_ids": list(r.prompt_ids), "seed": r.seed,
-                 "eos_token_ids": list(r.eos_token_ids)}
+                {
+                    "request_id": r.request_id,
+                    "prompt_ids": list(r.prompt_ids),
+                    "seed": r.seed,
+                    "eos_token_ids": list(r.eos_token_ids),
+                }
                 for r in requests
             ],  # fmt: skip
         },

@@ -10,7 +10,7 @@ Paths:
 - ``cb``: ``use_transformers_continuous_batching=True`` with a small explicit
   ``transformers_continuous_batching_config`` (``num_blocks`` / ``max_batch_tokens``: the defaults reserve GBs on CPU);
 - ``rollout_func``: a ``rollout_func`` backed by an engine (``cb_impl`` when it exists, else the reference generator),
-  built by :mod:`cbverify.trl_rollout`.
+  built by :mod:`cbverify.upstream.rollout`.
 """
 
 from __future__ import annotations
@@ -20,11 +20,10 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 
 from reference import tasks
+from reference.loss import IS_MODES, LOSS_TYPES
 
 PATHS = ("generate", "cb", "rollout_func")
 TRAINERS = ("grpo", "rloo")
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo")
-IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +51,7 @@ class TrainerScenario:
     max_steps: int = 1
     seed: int = 0
     evaluate: bool = False  # run trainer.evaluate() instead of trainer.train()
-    rollout_backend: str = "auto"  # rollout_func path: "cb_impl", "reference" or "auto" (cb_impl when importable)
+    rollout_backend: str = "cb_impl"  # rollout_func path: "cb_impl" or "reference" (ignored on other paths)
     reward: str = "arithmetic"  # "arithmetic" or "constant" (5/7 for every completion: every group has zero variance)
     extra_cb_config: tuple[tuple[str, object], ...] = field(default=())
 
@@ -71,7 +70,7 @@ class TrainerScenario:
             (self.importance_sampling_level in ("token", "sequence"), "importance_sampling_level: token|sequence"),
             (self.is_mode in IS_MODES, f"is_mode must be one of {IS_MODES}, got {self.is_mode!r}"),
             (self.max_steps >= 1, f"max_steps must be >= 1, got {self.max_steps}"),
-            (self.rollout_backend in ("auto", "cb_impl", "reference"), "rollout_backend: auto|cb_impl|reference"),
+            (self.rollout_backend in ("cb_impl", "reference"), "rollout_backend: cb_impl|reference"),
             (self.reward in ("arithmetic", "constant"), f"reward must be arithmetic|constant, got {self.reward!r}"),
         ]
         for ok, message in checks:
@@ -83,9 +82,10 @@ class TrainerScenario:
         return self.num_prompts * self.num_generations
 
     def describe(self) -> str:
-        """A short one-line label: the fields that differ from the defaults."""
+        """A short one-line label: the path, its rollout backend, and the fields that differ from the defaults."""
         default = TrainerScenario()
-        changed = {k: v for k, v in asdict(self).items() if getattr(default, k) != v or k == "path"}
+        named = ("path", "rollout_backend") if self.path == "rollout_func" else ("path",)
+        changed = {k: v for k, v in asdict(self).items() if getattr(default, k) != v or k in named}
         return ", ".join(f"{k}={v}" for k, v in changed.items())
 
 

@@ -3,7 +3,7 @@
 Contract: a :class:`GoldenCase` fully determines the requests it generates (:meth:`GoldenCase.requests`), so a record
 made from it can be re-derived and checked anywhere. Its ``name`` is the record's file stem; the record lives at
 ``golden/records/<device_class>/<name>.json`` (:func:`record_path`). Changing anything in a case definition makes its
-record stale: :func:`golden.check.check_case` refuses a record whose stored case differs from the current one.
+record stale: :func:`cbverify.golden.check.check_case` refuses a record whose stored case differs from the current one.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from cbverify.models import BUNDLED, DTYPES
 from reference import tasks
+from reference.models import BUNDLED, DTYPES
 from reference.spec import RolloutRequest, SamplingParams
 
-RECORDS_DIR = Path(__file__).resolve().parent / "records"
+RECORDS_DIR = Path(__file__).resolve().parents[2] / "golden" / "records"
 
 SAMPLINGS: dict[str, SamplingParams] = {
     # greedy: no processors; tokens are argmax, log-probs plain log_softmax.

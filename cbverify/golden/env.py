@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 VOLATILE_KEYS = frozenset({"timestamp", "hostname"})
 _PACKAGES = ("torch", "transformers", "trl", "accelerate", "tokenizers", "safetensors", "numpy")
 

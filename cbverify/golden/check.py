@@ -3,12 +3,12 @@
 Contract: :func:`check_case` returns a :class:`CaseResult` whose ``failures`` is empty exactly when
 
 1. teacher-forcing the *golden* tokens through ``reference.logprobs`` reproduces the recorded full-support and
-   processed log-probs and the top-5 log-probs within ``golden.tolerances.REFERENCE[dtype]``
+   processed log-probs and the top-5 log-probs within ``cbverify.tolerances.GOLDEN_REFERENCE[dtype]``
    (max |Δ| and |mean Δ|);
 2. re-generating with the reference (and with each engine that applies) reproduces the golden tokens under the
    DESIGN §4 token rule (``cbverify.compare.compare_tokens``), and the returned sampling log-probs match
    the recorded ones on the common prefix within the tolerance for that engine;
-3. a recorded GRPO trajectory is reproduced within ``golden.tolerances.TRAJECTORY``.
+3. a recorded GRPO trajectory is reproduced within ``cbverify.tolerances.GOLDEN_TRAJECTORY``.
 
 Engines without ``capabilities.spec_sampling`` (their own RNG: ``hf-generate``, ``transformers-cb``) are checked on
 greedy cases only; an engine that raises ``NotApplicable`` or whose adapter is missing is noted, not failed. A failure
@@ -26,12 +26,11 @@ import torch
 
 from cbverify.compare import check_results, compare_tokens
 from cbverify.engines import NotApplicable
-from cbverify.models import load
-from cbverify.tolerances import tier_for
-from golden import env as golden_env
-from golden import tolerances as tol
-from golden.cases import RECORDS_DIR, GoldenCase, record_path
-from golden.record import FORMAT_VERSION, teacher_forced
+from cbverify.golden import env as golden_env
+from cbverify.golden.cases import RECORDS_DIR, GoldenCase, record_path
+from cbverify.golden.record import FORMAT_VERSION, teacher_forced
+from cbverify.tolerances import GOLDEN_REFERENCE, GOLDEN_TRAJECTORY, Tolerance, golden_tolerance, tier_for
+from reference.models import load
 from reference.spec import Rollout
 
 
@@ -80,7 +79,7 @@ def load_record(case: GoldenCase, device_class: str, root: Path = RECORDS_DIR) -
 
 
 def compare_series(
-    golden: list[list[float]], actual: list[list[float]], tolerance: tol.Tolerance, ids: list[str]
+    golden: list[list[float]], actual: list[list[float]], tolerance: Tolerance, ids: list[str]
 ) -> str | None:
     """``None`` when max |Δ| and |mean Δ| over all positions are within ``tolerance``; otherwise the reason, naming the
     first (request, position) whose |Δ| exceeds ``max_abs`` (or the worst one when only the drift fails)."""
@@ -106,12 +105,12 @@ def check_teacher_forced(model, case: GoldenCase, data: dict) -> list[Failure]:
     ids = [r["request_id"] for r in golden]
     failures = []
     for key in ("per_token_logps", "processed_per_token_logps"):
-        why = compare_series([r[key] for r in golden], forced[key], tol.REFERENCE[case.dtype], ids)
+        why = compare_series([r[key] for r in golden], forced[key], GOLDEN_REFERENCE[case.dtype], ids)
         if why:
             failures.append(Failure(case.name, "reference", f"teacher-forced {key}", why))
     flat = lambda rows: [[v for pos in req for v in pos] for req in rows]  # noqa: E731
     why = compare_series(flat([r["top5_logprobs"] for r in golden]), flat(forced["top5_logprobs"]),
-                         tol.REFERENCE[case.dtype], [f"{i}(flattened top-5)" for i in ids])  # fmt: skip
+                         GOLDEN_REFERENCE[case.dtype], [f"{i}(flattened top-5)" for i in ids])  # fmt: skip
     if why:
         failures.append(Failure(case.name, "reference", "teacher-forced top-5 log-probs", why))
     return failures
@@ -151,7 +150,7 @@ def check_rollouts(
     if logprobs == "none" or (logprobs == "raw" and not case.sampling_params.greedy):
         notes.append(f"{engine}: log-probs not compared (engine returns {logprobs!r} log-probs on a sampled case)")
         return failures, notes
-    why = compare_series(common_golden, common_actual, tol.engine_tolerance(engine, case.dtype), ids)
+    why = compare_series(common_golden, common_actual, golden_tolerance(engine, case.dtype), ids)
     if why:
         failures.append(Failure(case.name, engine, "sampling log-probs (common prefix)", why))
     return failures, notes
@@ -210,10 +209,29 @@ def check_case(
         result.failures += failures
         result.notes += notes
     if trajectory and data.get("trajectory"):
-        from golden.record import run_trajectory
+        from cbverify.golden.record import run_trajectory
 
         stored = data["trajectory"]
         rerun = run_trajectory(case, device, model=model, config=stored["config"])
-        for why in tol.compare_trajectory(stored, rerun):
+        for why in compare_trajectory(stored, rerun):
             result.failures.append(Failure(case.name, "reference.train", "GRPO trajectory", why))
     return result
+
+
+def compare_trajectory(golden: dict, actual: dict) -> list[str]:
+    """Reasons the re-run trajectory differs from the golden one (empty when within ``TRAJECTORY``)."""
+    g_steps, a_steps = golden["steps"], actual["steps"]
+    if len(g_steps) != len(a_steps):
+        return [f"trajectory length {len(a_steps)} != golden {len(g_steps)}"]
+    reasons = []
+    for metric, t in GOLDEN_TRAJECTORY.items():
+        deltas = [a[metric] - g[metric] for g, a in zip(g_steps, a_steps, strict=True)]
+        worst = max(range(len(deltas)), key=lambda i: abs(deltas[i]))
+        mean = sum(deltas) / len(deltas)
+        if abs(deltas[worst]) > t.max_abs or abs(mean) > t.mean_drift:
+            first = next(i for i, d in enumerate(deltas) if abs(d) > t.max_abs) if abs(deltas[worst]) > t.max_abs \
+                else worst  # fmt: skip
+            reasons.append(f"{metric}: max |Δ|={abs(deltas[worst]):.3e} (tol {t.max_abs:.1e}), mean Δ={mean:+.3e} "
+                           f"(tol {t.mean_drift:.1e}); first divergent step {g_steps[first]['step']} "
+                           f"(golden {g_steps[first][metric]!r}, now {a_steps[first][metric]!r})")  # fmt: skip
+    return reasons

@@ -1,4 +1,4 @@
-"""Run the engine matrix (each engine x workload in its own ``bench.worker`` process), check every output, compute
+"""Run the engine matrix (each engine x workload in its own ``cbverify.bench.worker`` process), check every output, compute
 ratios against peers of the same run, and evaluate the targets of issue 8.
 
 Checks after timing (a failed check is reported in every output file and makes ``cbverify bench`` exit 1):
@@ -17,8 +17,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.engines import ENGINES
-from bench.workloads import WORKLOADS, make_requests, make_workload
+from cbverify.bench.engines import ENGINES
+from cbverify.bench.workloads import WORKLOADS, make_requests, make_workload
 
 NS = (8, 32, 64, 128)
 # (workload, N, engine, peer, metric, op, threshold): issue 8's CPU targets
@@ -58,7 +58,7 @@ class SuiteConfig:
 
 
 def worker_command(config: SuiteConfig, engine: str, workload: str, out: Path) -> list[str]:
-    cmd = [sys.executable, "-m", "bench.worker", "--engine", engine, "--workload", workload,
+    cmd = [sys.executable, "-m", "cbverify.bench.worker", "--engine", engine, "--workload", workload,
            "--n", *map(str, config.ns), "--device", config.device, "--model", config.model,
            "--threads", str(config.threads), "--kv-headroom", str(config.kv_headroom),
            "--max-batch-tokens", str(config.max_batch_tokens), "--temperature", str(config.temperature),
