@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -34,25 +35,36 @@ def pytest_configure(config: pytest.Config) -> None:
         settings.load_profile("cli-override")
 
 
+class LoadedModel(NamedTuple):
+    model: object  # a transformers causal LM, float32, CPU, eval mode
+    tokenizer: object
+
+
+class BundledModel(NamedTuple):
+    name: str
+    model: object
+    tokenizer: object
+
+
 @pytest.fixture(scope="session")
-def llama():
-    """The bundled arithmetic Llama in float32 on CPU: ``(model, tokenizer)``."""
+def llama() -> LoadedModel:
+    """The bundled trained arithmetic Llama (``tiny-llama-arith``) in float32 on CPU."""
     from reference.models import load
 
-    return load("tiny-llama-arith")
+    return LoadedModel(*load("tiny-llama-arith"))
 
 
 @pytest.fixture(scope="session")
-def qwen2():
-    """The bundled random Qwen2 in float32 on CPU: ``(model, tokenizer)``."""
+def qwen2() -> LoadedModel:
+    """The bundled random-weight Qwen2 (``tiny-qwen2-random``) in float32 on CPU."""
     from reference.models import load
 
-    return load("tiny-qwen2-random")
+    return LoadedModel(*load("tiny-qwen2-random"))
 
 
 @pytest.fixture(scope="session", params=["tiny-llama-arith", "tiny-qwen2-random"])
-def bundled_model(request):
-    """Each bundled model in turn: ``(name, model, tokenizer)``."""
+def bundled_model(request) -> BundledModel:
+    """Each bundled model in turn."""
     from reference.models import load
 
-    return (request.param, *load(request.param))
+    return BundledModel(request.param, *load(request.param))

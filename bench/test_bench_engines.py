@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from cbverify.bench import measure
-from cbverify.bench.engines import ENGINES, RUNNERS, EngineOptions
 from cbverify.bench.models import RANDOM, load_bench_model
+from cbverify.bench.timed import ENGINES, EngineOptions, run_engine
 from cbverify.bench.workloads import kv_budget_tokens, make_requests, make_workload
 
 DEVICE = os.environ.get("CBVERIFY_BENCH_DEVICE", "cpu")
@@ -36,11 +36,10 @@ def test_engine_throughput_on_the_gsm8k_like_workload(benchmark, bench_model, en
     workload = make_workload("gsm8k-like", n, device=DEVICE)
     requests = make_requests(workload, vocab_size=info["vocab_size"])
     budget = kv_budget_tokens(workload, requests, headroom=1.25)
-    opts = EngineOptions(device=DEVICE, pad_token_id=0, num_blocks=-(-budget // 16), max_batch_tokens=512,
-                         time_forwards=False)  # fmt: skip
+    opts = EngineOptions(device=DEVICE, num_blocks=-(-budget // 16), max_batch_tokens=512, time_forwards=False)
     runs = []
     benchmark.group = f"gsm8k-like N={n} ({DEVICE})"
-    benchmark.pedantic(lambda: runs.append(RUNNERS[engine](model, requests, opts)), rounds=2, iterations=1,
+    benchmark.pedantic(lambda: runs.append(run_engine(engine, model, requests, opts)), rounds=2, iterations=1,
                        warmup_rounds=1)  # fmt: skip
     last = runs[-1]
     for run in runs:

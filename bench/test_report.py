@@ -8,7 +8,8 @@ import pytest
 from PIL import Image
 
 from cbverify.bench import report
-from cbverify.bench.suite import SuiteConfig, check_case, evaluate_targets, ratios, token_agreement
+from cbverify.bench.suite import SuiteConfig, check_case, evaluate_targets, ratios, read_logs, token_agreement
+from cbverify.bench.timed import ENGINES
 from cbverify.bench.workloads import make_requests, make_workload
 
 ENV = {"torch": "T", "transformers": "X", "trl": "R", "python": "3", "cpu": "cpu", "cpu_count": 2,
@@ -35,13 +36,13 @@ def test_a_sound_case_passes_its_checks_and_a_short_or_miscounted_one_does_not()
     assert check_case(stopped, config)
     missing = good | {"completion_lengths": good["completion_lengths"][1:]}
     assert "completions for" in check_case(missing, config)[0]
-    assert "engine error" in check_case({"error": "boom", "engine": "generate", "workload": "uniform", "n": 8},
+    assert "engine error" in check_case({"error": "boom", "engine": "hf-generate", "workload": "uniform", "n": 8},
                                         config)[0]  # fmt: skip
 
 
 def test_natural_eos_cases_accept_stops_but_not_an_early_length_finish():
     config = SuiteConfig()
-    case = record("generate", 2, 1.0, 1, workload="arith")
+    case = record("hf-generate", 2, 1.0, 1, workload="arith")
     case |= {"completion_lengths": [5] * len(case["completion_lengths"]), "finish_reasons": ["stop"] * 8}
     assert check_case(case, config) == []
     case["finish_reasons"] = ["length"] + ["stop"] * 7
@@ -50,32 +51,32 @@ def test_natural_eos_cases_accept_stops_but_not_an_early_length_finish():
 
 def test_ratios_and_targets_compare_engines_of_the_same_workload_and_n():
     records = [
-        record("generate", 64, 100.0, 1000),
+        record("hf-generate", 64, 100.0, 1000),
         record("transformers-cb", 64, 40.0, 2000),
         record("cb_impl", 64, 200.0, 300),
-        record("generate", 8, 50.0, 100),
+        record("hf-generate", 8, 50.0, 100),
         record("cb_impl", 8, 40.0, 50),
     ]
     rows = {(r["n"], r["engine"]): r for r in ratios(records)}
-    assert rows[(64, "cb_impl")]["throughput_vs_generate"] == pytest.approx(2.0)
+    assert rows[(64, "cb_impl")]["throughput_vs_hf-generate"] == pytest.approx(2.0)
     assert rows[(64, "cb_impl")]["throughput_vs_transformers-cb"] == pytest.approx(5.0)
-    assert rows[(64, "cb_impl")]["kv_vs_generate"] == pytest.approx(0.3)
+    assert rows[(64, "cb_impl")]["kv_vs_hf-generate"] == pytest.approx(0.3)
     assert "throughput_vs_transformers-cb" not in rows[(8, "cb_impl")], "no peer at N=8: no ratio"
     met = {t["target"].split(":")[1].strip(): t for t in evaluate_targets(records)}
     assert [t["met"] for t in met.values()] == [True, True, True, False]
-    assert met["cb_impl tokens_per_s / generate >= 0.9"]["value"] == pytest.approx(0.8)
+    assert met["cb_impl tokens_per_s / hf-generate >= 0.9"]["value"] == pytest.approx(0.8)
 
 
 def test_greedy_token_agreement_is_measured_against_cb_impl():
     a = record("cb_impl", 2, 1.0, 1) | {"completions": [[1, 2], [3]] * 4}
-    b = record("generate", 2, 1.0, 1) | {"completions": [[1, 2], [3, 4]] * 4}
+    b = record("hf-generate", 2, 1.0, 1) | {"completions": [[1, 2], [3, 4]] * 4}
     token_agreement([a, b])
     assert b["tokens_equal_to_cb_impl"] == pytest.approx(0.5)
     assert "tokens_equal_to_cb_impl" not in a
 
 
 def test_the_report_writes_json_markdown_and_plots_with_the_environment_in_each(tmp_path):
-    records = [record(e, n, 10.0 * n, 1000 * n) for n in (8, 32) for e in ("generate", "transformers-cb", "cb_impl")]
+    records = [record(e, n, 10.0 * n, 1000 * n) for n in (8, 32) for e in ENGINES]
     records.append({"engine": "cb_impl", "workload": "uniform", "n": 8, "error": "RuntimeError: boom",
                     "check_problems": ["engine error: boom"]})  # fmt: skip
     grpo = {"setup": "s", "rows": [{"path": "generate", "n": 8, "step_s": 2.0, "peak_memory_mb": 500.0},
@@ -91,3 +92,14 @@ def test_the_report_writes_json_markdown_and_plots_with_the_environment_in_each(
     assert json.loads((tmp_path / "results.json").read_text())["env"] == ENV
     with Image.open(tmp_path / "throughput.png") as png:
         assert png.text["Description"] == report.env_line(ENV)
+
+
+def test_logs_written_under_the_old_engine_name_generate_are_read_back_as_hf_generate(tmp_path):
+    (tmp_path / "logs").mkdir()
+    old = record("generate", 8, 10.0, 1)
+    (tmp_path / "logs" / "gsm8k-like-generate.jsonl").write_text(json.dumps(old) + "\n")
+    (tmp_path / "logs" / "grpo-generate.jsonl").write_text(json.dumps({"path": "generate", "n": 8}) + "\n")
+    assert [(r["engine"], r["n"]) for r in read_logs(tmp_path)] == [("hf-generate", 8)]
+    new = record("hf-generate", 8, 20.0, 1)
+    (tmp_path / "logs" / "gsm8k-like-hf-generate.jsonl").write_text(json.dumps(new) + "\n")
+    assert [r["tokens_per_s"] for r in read_logs(tmp_path)] == [20.0], "a rerun's record replaces the old-named one"

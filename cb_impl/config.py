@@ -1,4 +1,4 @@
-"""Engine configuration: one frozen, slotted dataclass validated on construction (DESIGN §7)."""
+"""Engine configuration: one frozen, slotted dataclass validated on construction."""
 
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ class EngineConfig:
     - ``max_model_len``: longest prompt + completion; ``None`` takes the model config's ``max_position_embeddings``.
     - ``float64_attention``: compute the paged attention in float64 and cast back. The fused float32 SDPA kernel's
       reduction order differs from the model's own causal call and moved log-probs of the trained tiny Llama by up to
-      1.06e-5 (DESIGN §4 allows 1e-5); float64 brings that to 2.5e-6 (re-measured on 24 mixed greedy/sampled arith
-      requests of <= 40 tokens: 1.24e-5 in float32, 8.3e-6 in float64). Kept because float32 breaks the tolerance;
-      its K/V conversions are ~8% of a CPU step on the bench's gsm8k-like N=64 since attention runs in slices.
-      ``None`` = on for CPU, off elsewhere (speed).
+      1.06e-5 (the fp32 tier's mean bound is 1e-5); float64 brings that to 2.5e-6 (re-measured on 24 mixed
+      greedy/sampled arith requests of <= 40 tokens: 1.24e-5 in float32, 8.3e-6 in float64). Kept because float32
+      breaks the tolerance; ``cbverify bench --profile`` measures its cost. ``None`` = on for CPU, off
+      elsewhere (speed).
     """
 
     block_size: int = 16

@@ -1,7 +1,7 @@
 """``LLMEngine``: continuous batching over a paged KV cache; ``step()`` = schedule -> run -> sample -> postprocess.
 
-Contract (DESIGN §2-3): ``generate(requests)`` returns one ``Rollout`` per request in request order, identical to
-``reference.generate.generate(model, requests)`` under DESIGN §4's tolerance tier, whatever the batch composition,
+Contract (``reference.spec``): ``generate(requests)`` returns one ``Rollout`` per request in request order, identical
+to ``reference.generate.generate(model, requests)`` under the fp32 tolerance tier, whatever the batch composition,
 arrival order, block size, chunking, memory budget (preemption) and prompt sharing. Bad input raises ``ValueError``
 before any work. A model error during a step fails the requests of that step with that error
 (:class:`EngineStepError`), frees their blocks and leaves the engine usable. The engine is persistent and reads the

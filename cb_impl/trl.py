@@ -6,7 +6,8 @@ row per entry in order. Consecutive identical prompts form a GRPO group, which t
 
 The engine is built on the first call (from the trainer's model unless one was given) and kept for the whole run:
 it reads the weights live at every step, so optimizer updates are seen with no weight sync. ``logprobs`` are the
-sampler's processed log-probs (``reference.spec.Rollout``). Seeds are a function of (base seed, training step, row), so a rerun with
+sampler's processed log-probs (``reference.spec.Rollout``). Seeds are a function of (base seed, training step, row),
+so a rerun with
 the same seeds reproduces the rollouts. Trainer options the engine cannot honour (repetition penalty) raise.
 """
 

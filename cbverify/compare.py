@@ -1,13 +1,13 @@
 """Comparing an engine's rollouts with the reference oracle: one set of functions for the tests and the CLI alike.
 
-- :func:`check_results` — completeness and order (DESIGN §2: one rollout per request, in request order).
+- :func:`check_results` — completeness and order (one rollout per request, in request order).
 - :func:`check_conventions` — EOS and length conventions of one rollout.
 - :func:`compare_tokens` — first divergence from the reference's rollout, with near-tie acceptance per the
   :mod:`cbverify.tolerances` tier and full diagnostics (:class:`Divergence`).
 - :func:`teacher_forced_logprobs` / :func:`logprob_diffs` — the engine's returned log-probs against the reference's
   teacher-forced log-probs *of the engine's own tokens* (so RNG engines are checked too), in the semantics the
   engine declares.
-- :func:`mismatch` — DESIGN §5 metrics via ``reference.metrics.mismatch_metrics`` (one source of truth).
+- :func:`mismatch` — Mismatch metrics via ``reference.metrics.mismatch_metrics`` (one source of truth).
 
 Tokens are comparable when both sides follow the spec: greedy requests always, sampled ones only for engines that
 declare ``spec_sampling`` (:func:`tokens_comparable`).
@@ -47,7 +47,7 @@ def check_results(requests: Sequence[RolloutRequest], rollouts: Sequence[Rollout
 
 
 def check_conventions(request: RolloutRequest, rollout: Rollout) -> list[str]:
-    """Problems with DESIGN §2's conventions: 1 <= length <= max_new_tokens, EOS kept and only last, finish_reason."""
+    """Problems with the rollout conventions: 1 <= length <= max_new_tokens, EOS kept and only last, finish_reason."""
     rid, ids, limit = request.request_id, rollout.completion_ids, request.sampling.max_new_tokens
     problems = []
     if not 1 <= len(ids) <= limit:
@@ -203,7 +203,7 @@ def logprob_diffs(
 
 
 def mismatch(model, requests: Sequence[RolloutRequest], rollouts: Sequence[Rollout]) -> dict[str, float]:
-    """DESIGN §5 metrics of the engine's (sampler) log-probs against trainer-side log-probs of the same tokens
+    """Mismatch metrics of the engine's (sampler) log-probs against trainer-side log-probs of the same tokens
     (TRL semantics: ``log_softmax(logits / T)``, T = the request's temperature, 1 for greedy)."""
     trainer, sampler = [], []
     for request, rollout in zip(requests, rollouts, strict=True):

@@ -11,7 +11,8 @@ probability 0 (outside the processed support: cut by top-k / top-p / min-p) obse
 p-value 0.
 
 False alarms. All node p-values of one call (every position, prefix and request) form one family, corrected with
-Holm-Bonferroni: the probability that a *correct* engine fails one call is <= ``alpha`` (default ``DISTRIBUTION_ALPHA``) whatever the
+Holm-Bonferroni: the probability that a *correct* engine fails one call is <= ``alpha`` (default
+``DISTRIBUTION_ALPHA``) whatever the
 dependence between nodes. A test suite that makes ``m`` such calls has a false-alarm rate <= ``m * alpha`` (union
 bound); Hypothesis' ``ci`` profile is derandomised and the engines are seeded, so a run is also reproducible.
 

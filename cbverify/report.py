@@ -58,7 +58,7 @@ def evaluate_engine(
 ) -> EngineRow:
     """Run ``engine`` on ``requests`` and judge it against the reference's rollouts ``reference`` under ``tier``.
 
-    PASS needs: complete, ordered results; DESIGN §2 conventions; identical tokens where comparable (divergences only
+    PASS needs: complete, ordered results; the rollout conventions; identical tokens where comparable (divergences only
     at accepted near-ties); returned log-probs within the tier of the reference's teacher-forced ones (unless the
     engine returns none); and, for own-RNG engines given ``dist_requests``, the distribution test.
     """

@@ -65,7 +65,7 @@ def test_check_catches_1e_3_noise_on_one_layer_and_names_case_engine_position_an
     assert not result.ok, "a 1e-3 perturbation of one layer went unnoticed"
     failure = next(f for f in result.failures if f.quantity == "teacher-forced per_token_logps")
     assert failure.case == case.name and failure.engine == "reference"
-    assert "first divergent: request arith4-" in failure.detail and "position" in failure.detail
+    assert "first out of bounds: request arith4-" in failure.detail and "position" in failure.detail
     assert "environment" in result.report() and case.name in result.report()
 
 
@@ -135,7 +135,8 @@ def _strip_volatile(path: Path) -> dict:
 
 
 def _record_in_fresh_process(names: list[str], root: Path) -> None:
-    code = ("import sys, pathlib, torch; from cbverify.golden.cases import select; from cbverify.golden.record import record; "
+    code = ("import sys, pathlib, torch; from cbverify.golden.cases import select; "
+            "from cbverify.golden.record import record; "
             "torch.set_num_threads(2); "
             "record(select(sys.argv[2:]), root=pathlib.Path(sys.argv[1]), require_clean=False)")  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}

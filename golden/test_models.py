@@ -1,4 +1,5 @@
-"""The bundled checkpoints and the arithmetic task: what DESIGN §6 and the Foundation issue promise about them."""
+"""The bundled checkpoints and the arithmetic task: what the project promises about them (offline, reproducible,
+discriminating)."""
 
 from __future__ import annotations
 
@@ -24,11 +25,11 @@ def test_bundled_checkpoint_is_a_small_hugging_face_folder_with_provenance(name:
 
 
 def test_llama_uses_grouped_query_attention_and_qwen2_a_different_ratio_with_biases(llama, qwen2) -> None:
-    lc, qc = llama[0].config, qwen2[0].config
+    lc, qc = llama.model.config, qwen2.model.config
     assert lc.model_type == "llama" and lc.num_attention_heads > lc.num_key_value_heads
     assert qc.model_type == "qwen2" and qc.num_attention_heads > qc.num_key_value_heads
     assert lc.num_attention_heads // lc.num_key_value_heads != qc.num_attention_heads // qc.num_key_value_heads
-    assert qwen2[0].model.layers[0].self_attn.q_proj.bias is not None
+    assert qwen2.model.model.layers[0].self_attn.q_proj.bias is not None
 
 
 def test_tokenizer_round_trips_task_text_and_has_pad_bos_eos(bundled_model) -> None:

@@ -1,10 +1,11 @@
-"""Hypothesis strategies: plural-noun ``@st.composite`` functions with keyword-only bounds (DESIGN §7).
+"""Hypothesis strategies: plural-noun ``@st.composite`` functions with keyword-only bounds.
 
 Every model-backed property draws its scenario from here, so a failing example prints as a complete repro.
 """
 
 from __future__ import annotations
 
+import torch
 from hypothesis import strategies as st
 
 from reference import tasks
@@ -191,7 +192,7 @@ def length_dists(draw, *, max_hi: int = 256):
 
 @st.composite
 def bench_workloads(draw, *, max_generations: int = 8, max_prompts: int = 3, max_len: int = 24):
-    """A small random-prompt ``cbverify.bench.workloads.Workload`` (gsm8k-like or uniform shape) with drawn sizes and seed."""
+    """A small random-prompt bench ``Workload`` (gsm8k-like or uniform shape) with drawn sizes and seed."""
     from cbverify.bench.workloads import Workload
 
     completion = draw(length_dists(max_hi=max_len))
@@ -259,4 +260,39 @@ def trainer_scenarios(
         is_correction=draw(st.booleans()), is_mode=draw(st.sampled_from(["sequence_mask", "token_truncate"])),
         max_steps=draw(st.integers(*max_steps)), seed=draw(st.integers(0, 2**16)),
         rollout_backend=draw(st.sampled_from(["reference", "cb_impl"])),
+    )  # fmt: skip
+
+
+@st.composite
+def logits_batches(draw, *, max_rows: int = 6, max_vocab: int = 48) -> torch.Tensor:
+    """(R, V) float32 logits; ``integers`` mode makes exact ties (also at the top-k boundary) common."""
+    rows, vocab = draw(st.integers(1, max_rows)), draw(st.integers(2, max_vocab))
+    if draw(st.booleans()):
+        values = draw(st.lists(st.integers(-3, 3), min_size=rows * vocab, max_size=rows * vocab))
+        return torch.tensor(values, dtype=torch.float32).reshape(rows, vocab)
+    seed = draw(st.integers(0, 2**31 - 1))
+    scale = draw(st.sampled_from([0.1, 1.0, 5.0]))
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def seeds() -> st.SearchStrategy[int]:
+    """Any request seed the spec accepts."""
+    return st.integers(0, MAX_SEED)
+
+
+def positions() -> st.SearchStrategy[int]:
+    """Any completion position the spec's noise accepts (31 bits)."""
+    return st.integers(0, 2**31 - 1)
+
+
+@st.composite
+def grpo_sampling_fields(draw) -> dict:
+    """``GRPOConfig`` keyword arguments that shape generation, ``generation_kwargs`` overrides included."""
+    group = draw(st.sampled_from([2, 4]))
+    kwargs = draw(st.sampled_from([None, {"do_sample": False}, {"top_k": 3}, {"temperature": 0.5, "top_p": 0.8}]))
+    return dict(
+        num_generations=group, per_device_train_batch_size=group, generation_kwargs=kwargs,
+        temperature=draw(st.sampled_from([0.3, 0.7, 1.0, 1.5])), top_p=draw(st.sampled_from([1.0, 0.9])),
+        top_k=draw(st.sampled_from([0, 5])), min_p=draw(st.sampled_from([None, 0.05])),
+        max_completion_length=draw(st.integers(1, 64)),
     )  # fmt: skip

@@ -1,5 +1,5 @@
 """Bad input gets a clear ``ValueError`` before any work, and a model error during a step fails only that step's
-requests, frees their blocks, restores the model and leaves the engine usable (issue 4, point 5)."""
+requests, frees their blocks, restores the model and leaves the engine usable."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def forged_sampling(**changes) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def engine(llama):
-    return LLMEngine(llama[0], EngineConfig(block_size=4, num_blocks=16, max_batch_tokens=32))
+    return LLMEngine(llama.model, EngineConfig(block_size=4, num_blocks=16, max_batch_tokens=32))
 
 
 BAD_REQUESTS = {
@@ -105,7 +105,7 @@ class Boom(RuntimeError):
 
 
 def test_cb_model_error_fails_that_steps_requests_frees_blocks_and_engine_stays_usable(llama):
-    model = llama[0]
+    model = llama.model
     engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=32, max_batch_tokens=64))
     original_attn, was_training = model.config._attn_implementation, model.training
     sampling = SamplingParams(temperature=1.0, top_k=5, max_new_tokens=8)
@@ -146,7 +146,7 @@ def test_cb_model_error_fails_that_steps_requests_frees_blocks_and_engine_stays_
 
 
 def test_cb_restores_training_mode_and_attention_even_for_a_training_model(llama):
-    model = llama[0]
+    model = llama.model
     engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=16))
     original = model.config._attn_implementation
     model.train()

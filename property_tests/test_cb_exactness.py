@@ -1,4 +1,5 @@
-"""cb_impl returns the reference oracle's rollouts (DESIGN §4, fp32 tier) whatever the engine does internally.
+"""cb_impl returns the reference oracle's rollouts (fp32 tier of ``cbverify.tolerances``) whatever the engine does
+internally.
 
 For any batch (greedy and sampled, per-request parameters, EOS sets, GRPO groups), any arrival order and timing
 (incremental ``add_request`` between steps), block size, chunk size (``max_batch_tokens``), seat count and memory
@@ -8,8 +9,6 @@ tokens are identical (a divergence only at a reported near-tie) and log-probs ag
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from hypothesis import given
@@ -18,11 +17,10 @@ from hypothesis import strategies as st
 from cb_impl.attention import GATHER_BUDGET
 from cb_impl.config import EngineConfig
 from cb_impl.engine import LLMEngine
-from cbverify.compare import check_conventions, check_results, compare_tokens
 from cbverify.tolerances import FP32
+from property_tests.helpers import assert_matches_reference
 from property_tests.strategies import cb_arrival_plans, rollout_requests
 from reference import tasks
-from reference.generate import generate as reference_generate
 from reference.spec import Rollout, RolloutRequest, SamplingParams
 
 
@@ -42,23 +40,6 @@ def run_with_arrivals(engine: LLMEngine, requests: list[RolloutRequest], order: 
     return [results[r.request_id] for r in requests]
 
 
-def assert_matches_reference(model, requests: list[RolloutRequest], rollouts: list[Rollout], repro: str) -> None:
-    """Tokens identical or diverging at an accepted near-tie (reported as a warning); log-probs within the tier on
-    the common prefix; DESIGN §2 conventions; results complete and in order."""
-    assert not check_results(requests, rollouts), check_results(requests, rollouts)
-    for request, ours, ref in zip(requests, rollouts, reference_generate(model, requests), strict=True):
-        assert not check_conventions(request, ours), check_conventions(request, ours)
-        divergence = compare_tokens(model, request, ref, ours, engine="cb_impl", tier=FP32, repro=repro)
-        if divergence is not None:
-            assert divergence.accepted, divergence.describe()
-            warnings.warn(f"near-tie divergence: {divergence.describe()}", stacklevel=2)
-        common = divergence.position if divergence is not None else len(ref.logprobs)
-        diffs = [abs(a - b) for a, b in zip(ours.logprobs[:common], ref.logprobs[:common], strict=True)]
-        assert max(diffs, default=0.0) <= FP32.logprob_max_abs, (request.request_id, max(diffs), repro)
-        if divergence is None:
-            assert ours.finish_reason == ref.finish_reason, (request.request_id, ours, ref)
-
-
 def assert_engine_idle_and_clean(engine: LLMEngine) -> None:
     assert not engine.has_unfinished()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks, "KV-cache blocks leaked"
@@ -76,7 +57,7 @@ def test_cb_matches_reference_for_any_batch_arrival_chunking_sharing_and_memory_
     engine.runner.attention.gather_budget = budget
     rollouts = run_with_arrivals(engine, requests, order, steps)
     repro = f"model={name} config={config} order={order} gather_budget={budget}"
-    assert_matches_reference(model, requests, rollouts, repro=repro)
+    assert_matches_reference(model, requests, rollouts, engine="cb_impl", repro=repro)
     assert_engine_idle_and_clean(engine)
 
 
@@ -97,7 +78,7 @@ def test_cb_preempts_shares_prompts_and_copies_on_write_without_changing_any_rol
     rollouts = engine.generate(requests)
     stats = engine.stats
     assert stats["num_preemptions"] > 0 and stats["num_shared_prefills"] > 0 and stats["num_cow_copies"] > 0, stats
-    assert_matches_reference(model, requests, rollouts, repro="tight-cache GRPO batch")
+    assert_matches_reference(model, requests, rollouts, engine="cb_impl", repro="tight-cache GRPO batch")
     assert_engine_idle_and_clean(engine)
 
 
@@ -106,7 +87,7 @@ def test_cb_engine_is_persistent_and_reads_weights_live(llama):
     answers follow the new weights (equal the reference on the updated model) with no sync step."""
     model, _ = llama
     model = type(model)(model.config).eval()
-    model.load_state_dict(llama[0].state_dict())
+    model.load_state_dict(llama.model.state_dict())
     requests = _grpo_batch(num_prompts=2, group=2, max_new_tokens=12)
     engine = LLMEngine(model, EngineConfig(block_size=8, num_blocks=64))
     cache = engine.runner.cache.key
@@ -117,7 +98,7 @@ def test_cb_engine_is_persistent_and_reads_weights_live(llama):
     updated = engine.generate(requests)
     assert engine.runner.cache.key is cache, "the engine re-initialised its KV cache between calls"
     assert [r.completion_ids for r in updated] != [r.completion_ids for r in first]
-    assert_matches_reference(model, requests, updated, repro="after an in-place weight update")
+    assert_matches_reference(model, requests, updated, engine="cb_impl", repro="after an in-place weight update")
 
 
 @pytest.mark.parametrize("sharing", [True, False])
@@ -132,4 +113,5 @@ def test_cb_generate_equals_incremental_arrivals_for_the_same_requests(llama, sh
     # each side is within the tier of the reference, so the two sides are within twice the tier of each other
     assert max(abs(a - b) for x, y in zip(batch, incremental, strict=True)
                for a, b in zip(x.logprobs, y.logprobs, strict=True)) <= 2 * FP32.logprob_max_abs  # fmt: skip
-    assert_matches_reference(model, requests, incremental, repro=f"incremental arrivals, sharing={sharing}")
+    repro = f"incremental arrivals, sharing={sharing}"
+    assert_matches_reference(model, requests, incremental, engine="cb_impl", repro=repro)

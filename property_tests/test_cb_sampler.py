@@ -10,29 +10,17 @@ from hypothesis import strategies as st
 from cb_impl.noise import fast_bits_to_gumbel, fast_gumbel_noise, fast_noise_bits
 from cb_impl.sampler import build_sampling_batch, choose_tokens, process_logits, sample
 from cbverify.tolerances import FP32, SAME_LOGITS_ATOL
-from property_tests.strategies import sampling_params
+from property_tests.strategies import logits_batches, sampling_params, seeds
 from reference.generate import choose_token
 from reference.generate import process_logits as reference_process_logits
 from reference.spec import MAX_SEED, SamplingParams, bits_to_gumbel, gumbel_noise, noise_bits
 
 
-@st.composite
-def logits_batches(draw, *, max_rows: int = 6, max_vocab: int = 48) -> torch.Tensor:
-    """(R, V) float32 logits; ``integers`` mode makes exact ties (also at the top-k boundary) common."""
-    rows, vocab = draw(st.integers(1, max_rows)), draw(st.integers(2, max_vocab))
-    if draw(st.booleans()):
-        values = draw(st.lists(st.integers(-3, 3), min_size=rows * vocab, max_size=rows * vocab))
-        return torch.tensor(values, dtype=torch.float32).reshape(rows, vocab)
-    seed = draw(st.integers(0, 2**31 - 1))
-    scale = draw(st.sampled_from([0.1, 1.0, 5.0]))
-    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
-
-
 def _rows(draw, n: int, *, greedy: bool | None = None) -> tuple[list[SamplingParams], list[int], list[int]]:
     params = [draw(sampling_params(greedy=greedy)) for _ in range(n)]
-    seeds = [draw(st.integers(0, MAX_SEED)) for _ in range(n)]
-    positions = [draw(st.integers(0, 200)) for _ in range(n)]
-    return params, seeds, positions
+    row_seeds = [draw(seeds()) for _ in range(n)]
+    row_positions = [draw(st.integers(0, 200)) for _ in range(n)]
+    return params, row_seeds, row_positions
 
 
 @given(logits=logits_batches(), data=st.data())
@@ -64,8 +52,8 @@ def _decision_gap(logits: torch.Tensor, p: SamplingParams, seed: int, position: 
 
 @given(logits=logits_batches(), data=st.data())
 def test_cb_sampler_matches_the_reference_rule_row_by_row(logits, data):
-    """Same tokens (or a near-tie of the reference's decision score) and log-probs within ``SAME_LOGITS_ATOL``, per row, whatever
-    the mix of greedy and sampled rows and parameters in the batch."""
+    """Same tokens (or a near-tie of the reference's decision score) and log-probs within ``SAME_LOGITS_ATOL``, per
+    row, whatever the mix of greedy and sampled rows and parameters in the batch."""
     params, seeds, positions = _rows(data.draw, logits.shape[0])
     tokens, logprobs = sample(logits, build_sampling_batch(params, seeds, positions, logits.device))
     for r, (p, seed, pos) in enumerate(zip(params, seeds, positions, strict=True)):
@@ -93,7 +81,7 @@ def test_cb_sampled_rows_follow_the_processed_distribution_support(logits, data)
 @given(
     keys=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=8),
     token_ids=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=8),
-    seed=st.integers(0, MAX_SEED),
+    seed=seeds(),
     position=st.integers(0, 2**31),
     vocab=st.integers(1, 300),
 )

@@ -20,8 +20,8 @@ ENGINES = ("cb_impl", "hf-generate", "transformers-cb")
 
 
 @pytest.fixture(scope="module")
-def model(llama):
-    return llama[0]
+def llama_model(llama):
+    return llama.model
 
 
 @pytest.mark.parametrize("name", ENGINES)
@@ -29,8 +29,10 @@ def model(llama):
     requests=rollout_requests(max_requests=3, max_prompt_len=16, max_new_tokens=(1, 8), group_size=(1, 2)),
     data=st.data(),
 )
-def test_every_engine_matches_the_reference_under_any_of_its_configurations(name, model, requests, data):
+def test_every_engine_matches_the_reference_under_any_of_its_configurations(name, llama_model, requests, data):
     options = data.draw(engine_configurations(engine=name, max_sequence_len=24), label="options")
-    engine = get_engine(name, model, **options)
-    row = report.evaluate_engine(engine, model, requests, ref_gen.generate(model, requests), FP32, repro=f"{options}")
+    engine = get_engine(name, llama_model, **options)
+    row = report.evaluate_engine(
+        engine, llama_model, requests, ref_gen.generate(llama_model, requests), FP32, repro=f"{options}"
+    )
     assert row.status == "PASS", "\n".join(row.problems + row.divergences)

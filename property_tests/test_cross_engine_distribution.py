@@ -32,7 +32,7 @@ SCENARIOS = {
 @pytest.fixture(scope="module")
 def models(llama, qwen2):
     """Both bundled models: the trained Llama has peaked distributions, the random Qwen2 near-uniform ones."""
-    return {"llama": llama[0], "qwen2": qwen2[0]}
+    return {"llama": llama.model, "qwen2": qwen2.model}
 
 
 @pytest.mark.parametrize("name", RNG_ENGINES)

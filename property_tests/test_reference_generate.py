@@ -1,4 +1,5 @@
-"""The reference generator's contract (DESIGN §2, §3) on the bundled models, and its processors against transformers'.
+"""The reference generator's contract (``reference.spec``) on the bundled models, and its processors against
+transformers'.
 
 Independent paths: teacher forcing (``reference.logprobs``) for the log-probs, transformers' own logits warpers and
 ``generate(do_sample=False)`` for processing and greedy decoding, a chi-square test for the sampling distribution.

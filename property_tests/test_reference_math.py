@@ -1,4 +1,4 @@
-"""Properties of the reference GRPO math (issue 3, point 8): each follows from the definitions, not from TRL.
+"""Properties of the reference GRPO math: each follows from the definitions, not from TRL.
 
 Expected values are computed independently: REINFORCE gradients and IS weights by plain Python loops over tokens,
 the trust region from its definition.

@@ -35,7 +35,7 @@ def test_train_gives_the_same_per_step_numbers_twice_from_the_same_seeds(llama):
 
 
 def test_training_with_the_cb_impl_engine_reproduces_the_reference_engine_run(llama):
-    """Same seeds, same counter-based noise: the rollouts, hence every logged number, must agree (DESIGN §3)."""
+    """Same seeds, same counter-based noise: the rollouts, hence every logged number, must agree."""
     model, _ = llama
     reference = train(TrainConfig(**TINY), model=copy.deepcopy(model))
     cb_model = copy.deepcopy(model)

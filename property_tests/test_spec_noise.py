@@ -1,4 +1,4 @@
-"""The counter-based sampling noise of ``reference.spec`` (DESIGN §3): a pure function of (seed, position, token),
+"""The counter-based sampling noise of ``reference.spec``: a pure function of (seed, position, token),
 standard Gumbel distributed, and bit-identical on CPU and CUDA.
 
 Statistical tests are deterministic (the noise is a function), so "false-alarm rate" means: the chance that a correct
@@ -15,10 +15,8 @@ from scipy import stats
 
 from cbverify.tolerances import SELF_TEST_PVALUE
 from conftest import requires_cuda
-from reference.spec import MAX_SEED, gumbel_noise
-
-seeds_st = st.integers(0, MAX_SEED)
-positions_st = st.integers(0, 2**31 - 1)
+from property_tests.strategies import positions, seeds
+from reference.spec import gumbel_noise
 
 
 def _noise(seeds: list[int], positions: list[int], vocab_size: int, device: str = "cpu") -> torch.Tensor:
@@ -29,7 +27,7 @@ def _noise(seeds: list[int], positions: list[int], vocab_size: int, device: str 
     )
 
 
-@given(rows=st.lists(st.tuples(seeds_st, positions_st), min_size=1, max_size=8), vocab=st.integers(1, 300))
+@given(rows=st.lists(st.tuples(seeds(), positions()), min_size=1, max_size=8), vocab=st.integers(1, 300))
 def test_noise_is_deterministic_and_each_row_depends_only_on_its_own_seed_and_position(rows, vocab):
     seeds, positions = [s for s, _ in rows], [p for _, p in rows]
     batch = _noise(seeds, positions, vocab)
@@ -40,12 +38,12 @@ def test_noise_is_deterministic_and_each_row_depends_only_on_its_own_seed_and_po
     assert torch.equal(batch.flip(0), _noise(seeds[::-1], positions[::-1], vocab))
 
 
-@given(seed=seeds_st, position=positions_st, small=st.integers(1, 64), extra=st.integers(1, 200))
+@given(seed=seeds(), position=positions(), small=st.integers(1, 64), extra=st.integers(1, 200))
 def test_noise_of_a_token_does_not_depend_on_the_vocabulary_size(seed, position, small, extra):
     assert torch.equal(_noise([seed], [position], small)[0], _noise([seed], [position], small + extra)[0, :small])
 
 
-@given(seed=seeds_st, position=positions_st, other_seed=seeds_st, other_position=positions_st)
+@given(seed=seeds(), position=positions(), other_seed=seeds(), other_position=positions())
 def test_a_different_seed_or_position_gives_different_noise(seed, position, other_seed, other_position):
     if (seed, position) == (other_seed, other_position):
         return
@@ -60,7 +58,7 @@ def test_noise_is_standard_gumbel_by_a_ks_test_at_one_in_a_million_false_alarm()
     assert result.pvalue > SELF_TEST_PVALUE, result
 
 
-@given(seed=seeds_st, position=st.integers(0, 10_000))
+@given(seed=seeds(), position=st.integers(0, 10_000))
 def test_noise_along_the_vocabulary_is_gumbel_and_uncorrelated_for_any_drawn_seed(seed, position):
     # false alarm per example: KS 1e-6 + correlation |z| > 5 (~6e-7): under 1e-4 across a 50-example profile
     noise = _noise([seed] * 16, [position + k for k in range(16)], 1024)  # (16, 1024): 16384 draws
@@ -73,7 +71,7 @@ def test_noise_along_the_vocabulary_is_gumbel_and_uncorrelated_for_any_drawn_see
 
 @pytest.mark.gpu
 @requires_cuda
-@given(rows=st.lists(st.tuples(seeds_st, positions_st), min_size=1, max_size=64), vocab=st.integers(1, 4096))
+@given(rows=st.lists(st.tuples(seeds(), positions()), min_size=1, max_size=64), vocab=st.integers(1, 4096))
 def test_noise_is_bit_identical_on_cpu_and_cuda(rows, vocab):
     seeds, positions = [s for s, _ in rows], [p for _, p in rows]
     cpu = _noise(seeds, positions, vocab)

@@ -1,4 +1,4 @@
-"""The findings policy (issue 6, point 3): default scenarios show no unregistered failure, and every registered
+"""The findings policy: default scenarios show no unregistered failure, and every registered
 upstream finding is an expected failure that turns red (strict xfail) the day it stops reproducing.
 
 Model: the bundled ``tiny-qwen2-random`` (random weights, fixed seed). Flat distributions make a dropped sampling

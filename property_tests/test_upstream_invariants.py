@@ -1,4 +1,4 @@
-"""Upstream-integration invariants as Hypothesis properties over drawn trainer configurations (issue 6, point 2).
+"""Upstream-integration invariants as Hypothesis properties over drawn trainer configurations.
 
 Each example drives TRL 1.16's real GRPOTrainer / RLOOTrainer for a step on the bundled arithmetic Llama and runs
 every check of :data:`cbverify.upstream.suite.CHECKS`; a FAIL is allowed only where the findings registry covers it.

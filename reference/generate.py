@@ -1,6 +1,6 @@
 """The reference generator: one request at a time, the whole prefix recomputed at every step.
 
-Contract (DESIGN §2, §3): for each :class:`~reference.spec.RolloutRequest`, tokens are produced one by one from
+Contract (``reference.spec``): for each :class:`~reference.spec.RolloutRequest`, tokens are produced one by one from
 ``model(input_ids=prefix).logits[0, -1]`` cast to float32:
 
 - greedy (``temperature == 0``): ``token = argmax(logits)``, log-prob ``log_softmax(logits)[token]``;

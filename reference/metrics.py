@@ -1,4 +1,4 @@
-"""Mismatch metrics (DESIGN §5): how far a rollout engine's log-probs are from the trainer's on the same tokens.
+"""Mismatch metrics: how far a rollout engine's log-probs are from the trainer's on the same tokens.
 
 ``trainer_logps`` are teacher-forced trainer-side log-probs (``reference.logprobs``), ``sampler_logps`` what the
 engine reported for the same tokens; only real tokens (``mask == 1``) whose sampler log-prob is not NaN count
@@ -15,7 +15,7 @@ engine reported for the same tokens; only real tokens (``mask == 1``) whose samp
 - ``ppl_ratio``: mean over non-empty sequences of ``exp(mean_t sampler - mean_t trainer)``, i.e. trainer perplexity
   over sampler perplexity per sequence (verl ``rollout_corr/ppl_ratio``).
 
-``ess`` equals DESIGN's ``1 / mean(w^2)`` when the weights have mean 1 (their expectation under the sampler); the
+``ess`` equals the textbook ``1 / mean(w^2)`` when the weights have mean 1 (their expectation under the sampler); the
 normalisation by ``mean w`` is verl's. Simplifications versus verl: no ``SAFETY_BOUND`` clamp of log-ratios (the
 metrics are computed in float64 and reported as they are), no rejection-sampling or threshold fractions.
 """

@@ -1,9 +1,9 @@
 """The shared vocabulary of cbverify: sampling parameters, requests, rollouts, and the sampling noise.
 
-This is the one module of ``reference`` that ``cb_impl`` may import (DESIGN §1): data types and the definition of the
-noise, never any computation an engine is judged on.
+This is the one module of ``reference`` that ``cb_impl`` may import (the layers are in docs/architecture.md): data
+types and the definition of the noise, never any computation an engine is judged on.
 
-Sampling is a function, not a random stream (DESIGN §3). The token at completion position ``i`` of a request with seed
+Sampling is a function, not a random stream. The token at completion position ``i`` of a request with seed
 ``s`` is::
 
     argmax_v( processed_logprobs[v] + gumbel(s, i, v) )
@@ -92,7 +92,7 @@ class RolloutRequest:
 
 @dataclass(frozen=True, slots=True)
 class Rollout:
-    """One finished request (DESIGN §2).
+    """One finished request.
 
     ``completion_ids`` includes the first EOS if one was produced and nothing after it; ``logprobs[i]`` is the
     log-probability of ``completion_ids[i]`` under the processed distribution it was sampled from.

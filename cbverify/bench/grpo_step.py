@@ -1,5 +1,6 @@
 """TRL ``GRPOTrainer`` steps with each generation path, in the shape of TRL PR #5765's table (step time, speedup and
-peak-memory delta versus ``generate()``): ``python -m cbverify.bench.grpo_step --path generate --n 8 32 64 --out f.jsonl``.
+peak-memory delta versus ``generate()``):
+``python -m cbverify.bench.grpo_step --path generate --n 8 32 64 --out f.jsonl``.
 
 Paths: ``generate`` (TRL's default), ``transformers-cb`` (``use_transformers_continuous_batching=True`` with TRL's
 ``max_memory_percent=0.5``; on CPU also explicit ``num_blocks`` / ``max_batch_tokens``), ``cb_impl``
@@ -30,6 +31,8 @@ from tqdm import tqdm
 from cbverify.bench import measure
 from reference import tasks
 
+# TRL GRPOTrainer's generation paths, not cbverify.engines names: TRL itself drives generation here ("generate" is the
+# trainer's default model.generate() path; the bench's engine for it is "hf-generate").
 PATHS = ("generate", "transformers-cb", "cb_impl")
 MAX_COMPLETION = 128
 

@@ -1,5 +1,5 @@
-"""Measurement helpers shared by every engine runner: environment record, synchronised clock, forward counting,
-memory, and the wasted-compute share.
+"""Measurement helpers of the benchmarks: environment record, forward counting, memory, and the wasted-compute share
+(the synchronised ``clock`` lives in :mod:`cbverify.engines`, whose adapters time their own windows).
 
 Definitions (the same for every engine, so ratios between engines mean something):
 
@@ -18,13 +18,13 @@ from __future__ import annotations
 import os
 import platform
 import resource
-import time
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
+from cbverify.engines import clock, sync  # noqa: F401  (re-exported: the adapters clock their own windows)
 from reference.spec import RolloutRequest
 
 
@@ -46,17 +46,6 @@ def environment(device: str) -> dict:
     return env
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(torch.device(device))
-
-
-def clock(device: str) -> float:
-    """``perf_counter`` after the device has finished all queued work."""
-    sync(device)
-    return time.perf_counter()
-
-
 @dataclass(slots=True)
 class ForwardStats:
     steps: int = 0
@@ -66,13 +55,14 @@ class ForwardStats:
 
 
 @contextmanager
-def count_forwards(model: torch.nn.Module, device: str, *, time_forwards: bool):
+def count_forwards(model: torch.nn.Module, device: str, *, time_forwards: bool, stats: ForwardStats | None = None):
     """Count forward calls and token positions of ``model`` (hooks removed on exit, also on error).
 
     With ``time_forwards`` the time inside each forward is summed (synchronising CUDA around it, which removes any
-    CPU/GPU overlap an engine relies on; on CPU it costs nothing).
+    CPU/GPU overlap an engine relies on; on CPU it costs nothing). Counts add to ``stats`` when given (one record over
+    several windows: an adapter's ``window_hook`` is entered once per window), else to a fresh one; yields it.
     """
-    stats, started = ForwardStats(), [0.0]
+    stats, started = stats if stats is not None else ForwardStats(), [0.0]
 
     def pre(module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)

@@ -10,9 +10,10 @@ import json
 import textwrap
 from pathlib import Path
 
-from cbverify.bench.engines import ENGINES
+from cbverify.bench.grpo_step import PATHS
+from cbverify.bench.timed import ENGINES
 
-COLORS = {"generate": "#1f77b4", "transformers-cb": "#ff7f0e", "cb_impl": "#2ca02c"}
+COLORS = {"hf-generate": "#1f77b4", "transformers-cb": "#ff7f0e", "cb_impl": "#2ca02c"}
 
 
 def env_line(env: dict) -> str:
@@ -49,11 +50,12 @@ def markdown(result: dict) -> str:
              f"- config: `{json.dumps(result['config'])}`", "",
              "tok/s = completion tokens / wall time; TTFT = until the batch's first completion token; KV = KV cache "
              "reserved; peak = " + (_model_memory_kind(result)) + "; waste = 1 - necessary / forwarded tokens "
-             "(bench/measure.py); ovh = engine overhead per step (wall - forward time) / steps.", ""]  # fmt: skip
+             "(cbverify/bench/measure.py); ovh = engine overhead per step (wall - forward time) / steps.",
+             ""]  # fmt: skip
     ratio = {(r["workload"], r["n"], r["engine"]): r for r in result["ratios"]}
     for workload in dict.fromkeys(c["workload"] for c in result["cases"]):
         lines += [f"## {workload}", "", "| N | engine | tok/s | wall s | TTFT s | KV MB | peak MB | waste "
-                  "| ovh ms/step | steps | x generate | x tfm-CB | checks |", "|" + "---|" * 13]  # fmt: skip
+                  "| ovh ms/step | steps | x hf-generate | x tfm-CB | checks |", "|" + "---|" * 13]  # fmt: skip
         cases = sorted((c for c in result["cases"] if c["workload"] == workload),
                        key=lambda c: (c["n"], ENGINES.index(c["engine"])))  # fmt: skip
         for c in cases:
@@ -69,11 +71,12 @@ def markdown(result: dict) -> str:
                 f"| {c['n']} | {c['engine']} | {c['tokens_per_s']:.0f} | {c['wall_s']:.2f} "
                 f"| {_fmt(c['ttft_s'], '.3f')} "
                 f"| {_fmt(kv, '.1f')} | {c['peak_memory_mb']:.0f} | {_fmt(c['wasted_share'], '.0%')} "
-                f"| {_fmt(c['overhead_per_step_ms'], '.1f')} | {c['steps']} | {_fmt(r.get('throughput_vs_generate'))} "
+                f"| {_fmt(c['overhead_per_step_ms'], '.1f')} | {c['steps']} "
+                f"| {_fmt(r.get('throughput_vs_hf-generate'))} "
                 f"| {_fmt(r.get('throughput_vs_transformers-cb'))} | {check} |"
             )
         lines.append("")
-    lines += ["## Targets (issue 8, ratios from this run)", "", "| target | measured | met |", "|---|---|---|"]
+    lines += ["## Targets (CPU, ratios from this run)", "", "| target | measured | met |", "|---|---|---|"]
     for t in result["targets"]:
         met = {True: "yes", False: "**no**", None: "n/a"}[t["met"]]
         lines.append(f"| {t['target']} | {_fmt(t['value'], '.3f')} | {met} |")
@@ -88,12 +91,13 @@ def _model_memory_kind(result: dict) -> str:
 
 
 def grpo_markdown(grpo: dict) -> str:
-    """The published table's shape: step time, speedup and peak-memory delta versus ``generate()``."""
+    """The published table's shape: step time, speedup and peak-memory delta versus ``generate()``. Rows are TRL's
+    trainer generation paths (``cbverify.bench.grpo_step.PATHS``: ``generate`` is the trainer's default path)."""
     lines = ["## GRPO step (TRL GRPOTrainer)", "", f"- {grpo.get('setup', '')}", "",
              "| N | generation path | step s (median) | speedup vs generate() | peak MB | delta vs generate() MB |",
              "|---|---|---|---|---|---|"]  # fmt: skip
     by = {(r["n"], r["path"]): r for r in grpo["rows"]}
-    for (n, path), r in sorted(by.items(), key=lambda kv: (kv[0][0], ENGINES.index(kv[0][1]))):
+    for (n, path), r in sorted(by.items(), key=lambda kv: (kv[0][0], PATHS.index(kv[0][1]))):
         if "error" in r:
             lines.append(f"| {n} | {path} | ERROR: {r['error'][:200]} | | | |")
             continue

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from cbverify.bench import measure
-from cbverify.bench.engines import ENGINES, RUNNERS, EngineOptions
 from cbverify.bench.models import load_bench_model, parse_dtype
+from cbverify.bench.timed import ENGINES, EngineOptions, run_engine
 from cbverify.bench.workloads import WORKLOADS, LengthDist, Workload, kv_budget_tokens, make_requests, make_workload
 
 CB_IMPL_BLOCK_SIZE = 16  # cb_impl's EngineConfig default block size
@@ -54,16 +54,18 @@ def run_case(model, vocab_size: int, workload: Workload, engine: str, args: argp
     n = workload.num_generations
     requests = make_requests(workload, vocab_size=vocab_size)
     budget = kv_budget_tokens(workload, requests, headroom=args.kv_headroom)
-    opts = EngineOptions(device=args.device, pad_token_id=0, num_blocks=-(-budget // CB_IMPL_BLOCK_SIZE),
+    opts = EngineOptions(device=args.device, num_blocks=-(-budget // CB_IMPL_BLOCK_SIZE),
                          max_batch_tokens=args.max_batch_tokens, time_forwards=args.time_forwards)  # fmt: skip
     warm = warmup_workload(workload)
-    RUNNERS[engine](model, make_requests(warm, vocab_size=vocab_size), opts)
+    run_engine(engine, model, make_requests(warm, vocab_size=vocab_size), opts)
     baseline = measure.reset_peak(args.device)
     base_rss = measure.rss_mb()
-    run = RUNNERS[engine](model, requests, opts)
+    run = run_engine(engine, model, requests, opts)
     memory = measure.peak_memory(args.device, baseline, base_rss)
     if args.profile:
-        profile(engine, lambda: RUNNERS[engine](model, requests, opts), Path(args.out).with_suffix(f".N{n}.prof.txt"))
+        profile(
+            engine, lambda: run_engine(engine, model, requests, opts), Path(args.out).with_suffix(f".N{n}.prof.txt")
+        )
     lengths = [len(c) for c in run.completions]
     tokens = sum(lengths)
     necessary = measure.necessary_tokens(requests, lengths)

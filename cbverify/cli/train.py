@@ -15,7 +15,7 @@ ENGINES = ("reference", "cb_impl")
 
 
 def make_generate(engine: str):
-    """``model -> (requests -> rollouts)`` for ``engine``; ``None`` means the oracle (``reference.train``'s default)."""
+    """``model -> (requests -> rollouts)`` for ``engine``; ``None`` = the oracle (``reference.train``'s default)."""
     if engine == "reference":
         return None
     from cb_impl.config import EngineConfig

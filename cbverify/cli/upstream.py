@@ -1,8 +1,8 @@
 """``cbverify upstream``: the findings registry, and (with ``--run``) every upstream invariant on the installed stack.
 
 Without flags it prints :data:`cbverify.upstream.findings.FINDINGS` (id, path, checks, condition, affected versions,
-evidence). ``--run`` drives TRL's trainers through :data:`cbverify.upstream.suite.DEFAULT_SCENARIOS` with a progress bar
-and prints one line per (scenario, check): PASS / NOT-APPLICABLE / XFAIL(<finding>) are fine; FAIL (not covered by
+evidence). ``--run`` drives TRL's trainers through :data:`cbverify.upstream.suite.DEFAULT_SCENARIOS` with a progress
+bar and prints one line per (scenario, check): PASS / NOT-APPLICABLE / XFAIL(<finding>) are fine; FAIL (not covered by
 a finding) and FIXED?(<finding>) (a finding that stopped reproducing) make the exit code 1. ``--json`` writes the
 results for ``cbverify matrix``.
 """
@@ -45,7 +45,7 @@ def findings_table() -> str:
 
 
 def load_model(args: argparse.Namespace):
-    """``(model, tokenizer)``: the requested checkpoint, or with ``--random-model`` its architecture, random weights."""
+    """``(model, tokenizer)``: the checkpoint, or with ``--random-model`` its architecture with random weights."""
     from reference.models import load, random_like
 
     return random_like(args.model, seed=0) if args.random_model else load(args.model)

@@ -6,18 +6,29 @@ upstream failure (a request that comes back failed or missing) raises :class:`En
 
 Engine names (used by the CLI, the tests, the benchmarks): ``reference``, ``cb_impl``, ``hf-generate``,
 ``transformers-cb``. Get one with :func:`get_engine` ``(name, model, **options)``.
+
+Cost of a call: after each ``generate`` the ``hf-generate``, ``transformers-cb`` and ``cb_impl`` adapters set
+``engine.last_run`` (:class:`RunStats`): the generation window, time to first token, KV bytes reserved. Their
+``window_hook`` option (a context-manager factory) is entered around each generation window, so a caller can count or
+time exactly what ``RunStats.generate_s`` covers (the benchmarks count model forwards there). These are the one driver
+per upstream system: ``cbverify verify``, the tests and ``cbverify bench`` all use them.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
+
+import torch
 
 from reference.spec import Rollout, RolloutRequest
 
 LogprobSemantics = Literal["processed", "raw", "none"]
+WindowHook = Callable[[], AbstractContextManager]  # entered around each generation window (see module docstring)
 
 
 class NotApplicable(Exception):
@@ -58,6 +69,43 @@ class Capabilities:
     def __post_init__(self) -> None:
         if self.logprob_semantics not in ("processed", "raw", "none"):
             raise ValueError(f"logprob_semantics must be processed|raw|none, got {self.logprob_semantics!r}")
+
+
+@dataclass(slots=True)
+class RunStats:
+    """What the last ``generate()`` call cost (``engine.last_run``). Times are seconds of :func:`clock`.
+
+    - ``generate_s``: the generation window, summed over the call's windows (one per upstream batch or manager):
+      ``hf-generate`` and ``cb_impl`` the whole call; ``transformers-cb`` from its first ``add_request`` to its last
+      result (manager construction, ``warmup()``, ``start()`` and ``stop()`` are ``setup_s``).
+    - ``setup_s``: work inside the call but outside the window (``transformers-cb``'s managers; 0 for the others --
+      their construction happens in the constructor, which the caller times).
+    - ``ttft_s``: from the start of the first window until the first completion token of any request exists
+      (``hf-generate``: first logits-processor call; ``transformers-cb``: earliest token timestamp; ``cb_impl``: end
+      of its first step); ``None`` when unknown.
+    - ``kv_reserved_bytes``: KV-cache bytes allocated (``hf-generate``: the returned cache's tensors, largest batch;
+      ``transformers-cb``: the manager's cache tensor, largest group; ``cb_impl``: its cache).
+    - ``extra``: engine-specific details (``cb_impl``: its stats; ``transformers-cb``: the configs used;
+      ``hf-generate``: the generated width).
+    """
+
+    generate_s: float = 0.0
+    setup_s: float = 0.0
+    ttft_s: float | None = None
+    kv_reserved_bytes: int | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def sync(device: str | torch.device) -> None:
+    """Wait for the device's queued work (CUDA only; a no-op on CPU)."""
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize(torch.device(device))
+
+
+def clock(device: str | torch.device) -> float:
+    """``perf_counter`` after the device has finished all queued work."""
+    sync(device)
+    return time.perf_counter()
 
 
 @runtime_checkable

@@ -4,13 +4,19 @@ It claims everything the spec asks for: counter-based (spec) sampling, per-reque
 and batch invariance of tokens (the noise is a function of seed and position, not of the batch). Options are the
 fields of ``cb_impl.config.EngineConfig`` (``block_size``, ``num_blocks``, ``max_batch_tokens``, ``max_num_seqs``,
 ``enable_prefix_sharing``, ...); on CPU pass a small ``num_blocks`` (the default sizes the cache from free memory).
+``window_hook`` (see :mod:`cbverify.engines`) is the one adapter option that is not an ``EngineConfig`` field.
+
+Cost (``last_run``, :class:`cbverify.engines.RunStats`): the window is the whole call; TTFT is the end of the
+engine's first step (``step`` is wrapped on the instance for the call); KV is the engine's cache; ``extra["stats"]``
+holds the engine's counters (``LLMEngine.stats``, cumulative since construction) plus ``kv_peak_used_bytes``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 
-from cbverify.engines import Capabilities, EngineError, check_unique_ids
+from cbverify.engines import Capabilities, EngineError, RunStats, WindowHook, check_unique_ids, clock
 from reference.spec import Rollout, RolloutRequest
 
 
@@ -27,12 +33,15 @@ class CbImplEngine:
         claims_batch_invariance=True,
     )
 
-    def __init__(self, model, **config) -> None:
+    def __init__(self, model, *, window_hook: WindowHook | None = None, **config) -> None:
         from cb_impl.config import EngineConfig
         from cb_impl.engine import LLMEngine
 
         self.config = EngineConfig(**config)
         self.engine = LLMEngine(model, self.config)
+        self.device = next(model.parameters()).device
+        self.window_hook = window_hook or nullcontext
+        self.last_run: RunStats | None = None
 
     @property
     def stats(self) -> dict:
@@ -40,7 +49,30 @@ class CbImplEngine:
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[Rollout]:
         check_unique_ids(self.name, requests)
-        rollouts = list(self.engine.generate(list(requests)))
+        first_step_end: list[float] = []
+        step = self.engine.step
+
+        def timed_step():
+            out = step()
+            if not first_step_end:
+                first_step_end.append(clock(self.device))
+            return out
+
+        self.engine.step = timed_step  # an instance attribute shadowing the method, removed below
+        try:
+            with self.window_hook():
+                start = clock(self.device)
+                rollouts = list(self.engine.generate(list(requests)))
+                end = clock(self.device)
+        finally:
+            del self.engine.step
         if len(rollouts) != len(requests):
             raise EngineError(f"{self.name}: {len(rollouts)} rollouts for {len(requests)} requests")
+        stats = {k: v for k, v in self.stats.items() if isinstance(v, int | float | str)}
+        if stats.get("num_blocks"):
+            stats["kv_peak_used_bytes"] = stats["kv_cache_bytes"] * stats["peak_used_blocks"] // stats["num_blocks"]
+        self.last_run = RunStats(
+            generate_s=end - start, ttft_s=first_step_end[0] - start if first_step_end else None,
+            kv_reserved_bytes=stats.get("kv_cache_bytes"), extra={"stats": stats},
+        )  # fmt: skip
         return rollouts

@@ -11,7 +11,12 @@ honoured; the adapter seeds torch once per ``generate`` call with its own ``seed
 
 Log-probs: ``output_scores=True`` gives the *processed* scores the token was drawn from (temperature, top-k, top-p,
 min-p applied; none when greedy), so ``log_softmax(score)[token]`` has the spec's semantics. (``output_logits=True``
-would give the raw logits instead.)
+would give the raw logits instead.) With ``return_logprobs=False`` no scores are requested -- as TRL calls it; storing
+a ``(B, V)`` tensor per step costs time -- the rollouts carry NaN log-probs and the instance's ``capabilities`` say
+``logprob_semantics="none"``.
+
+Cost (``last_run``, :class:`cbverify.engines.RunStats`): the window is the whole call; TTFT is the first call of a
+pass-through logits processor (every row's first token is being sampled); KV is the returned cache's tensors.
 
 Every generation option the spec does not know is set explicitly to its neutral value: ``GenerationConfig`` fills
 unset fields from the checkpoint's ``generation_config.json`` and then from global defaults such as ``top_k=50``.
@@ -19,12 +24,22 @@ unset fields from the checkpoint's ``generation_config.json`` and then from glob
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from cbverify.engines import Capabilities, EngineError, check_unique_ids, finish_rollout
+from cbverify.engines import (
+    Capabilities,
+    EngineError,
+    RunStats,
+    WindowHook,
+    check_unique_ids,
+    clock,
+    finish_rollout,
+)
 from reference.spec import Rollout, RolloutRequest, SamplingParams
 
 # Processors outside the spec, pinned to their neutral values so a checkpoint's generation_config cannot enable them.
@@ -40,8 +55,10 @@ def group_key(request: RolloutRequest) -> tuple:
     return (s.temperature, s.top_k, s.top_p, s.min_p, request.eos_token_ids)
 
 
-def generation_config(sampling: SamplingParams, eos_token_ids: tuple[int, ...], max_new_tokens: int, pad: int):
-    """The explicit ``GenerationConfig`` for one group (see the module docstring)."""
+def generation_config(
+    sampling: SamplingParams, eos_token_ids: tuple[int, ...], max_new_tokens: int, pad: int, *, scores: bool = True
+):
+    """The explicit ``GenerationConfig`` for one group (see the module docstring); ``scores``: ``output_scores``."""
     sample = not sampling.greedy
     # Greedy: warpers are never built when do_sample=False, so they are left to transformers' (unused) defaults.
     warpers = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p)
@@ -51,11 +68,32 @@ def generation_config(sampling: SamplingParams, eos_token_ids: tuple[int, ...], 
         max_new_tokens=max_new_tokens,
         eos_token_id=list(eos_token_ids),  # [] means "no EOS" (None would fall back to the checkpoint's EOS)
         pad_token_id=pad,
-        output_scores=True,
-        return_dict_in_generate=True,
+        output_scores=scores,
+        return_dict_in_generate=True,  # also returns the cache (measured for last_run)
         disable_compile=True,  # as TRL does
         **NEUTRAL_OPTIONS,
     )
+
+
+def cache_bytes(cache) -> int | None:
+    """Bytes of a returned ``Cache``'s key/value tensors (``None`` when the cache's layout is unknown)."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        return None
+    return sum(t.nbytes for layer in layers for t in (layer.keys, layer.values) if isinstance(t, torch.Tensor))
+
+
+class FirstCall(LogitsProcessor):
+    """Pass-through processor noting the clock at its first call: the first sampling step of the batch."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.at: float | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.at is None:
+            self.at = clock(self.device)
+        return scores
 
 
 class HFGenerateEngine:
@@ -71,14 +109,27 @@ class HFGenerateEngine:
         claims_batch_invariance=False,  # left padding changes the matmul shapes, and the RNG stream is shared
     )
 
-    def __init__(self, model, *, seed: int = 0, max_batch_size: int | None = None) -> None:
+    def __init__(
+        self,
+        model,
+        *,
+        seed: int = 0,
+        max_batch_size: int | None = None,
+        return_logprobs: bool = True,
+        window_hook: WindowHook | None = None,
+    ) -> None:
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1 or None, got {max_batch_size}")
         self.model = model
         self.seed = seed
         self.max_batch_size = max_batch_size
+        self.return_logprobs = return_logprobs
+        self.window_hook = window_hook or nullcontext
+        if not return_logprobs:
+            self.capabilities = dataclasses.replace(type(self).capabilities, logprob_semantics="none")
         cfg = model.config
         self.pad_token_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+        self.last_run: RunStats | None = None
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[Rollout]:
         check_unique_ids(self.name, requests)
@@ -88,21 +139,27 @@ class HFGenerateEngine:
         results: list[Rollout | None] = [None] * len(requests)
         device = next(self.model.parameters()).device
         fork_devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=fork_devices):
+        stats, first = RunStats(extra={"generated_width": 0}), FirstCall(device)
+        with torch.random.fork_rng(devices=fork_devices), self.window_hook():
             torch.manual_seed(self.seed)
+            start = clock(device)
             for indices in groups.values():
                 step = self.max_batch_size or len(indices)
-                for start in range(0, len(indices), step):
-                    chunk = indices[start : start + step]
-                    for i, rollout in zip(chunk, self._generate_batch([requests[i] for i in chunk]), strict=True):
+                for begin in range(0, len(indices), step):
+                    chunk = indices[begin : begin + step]
+                    batch = self._generate_batch([requests[i] for i in chunk], first, stats)
+                    for i, rollout in zip(chunk, batch, strict=True):
                         results[i] = rollout
+            stats.generate_s = clock(device) - start
+        stats.ttft_s = None if first.at is None else first.at - start
+        self.last_run = stats
         if any(r is None for r in results):
             raise EngineError(f"{self.name}: some requests produced no rollout")
         return results  # type: ignore[return-value]
 
     @torch.no_grad()
-    def _generate_batch(self, batch: list[RolloutRequest]) -> list[Rollout]:
-        """One left-padded ``generate()`` call for requests sharing a group key."""
+    def _generate_batch(self, batch: list[RolloutRequest], first: FirstCall, stats: RunStats) -> list[Rollout]:
+        """One left-padded ``generate()`` call for requests sharing a group key; notes its cost in ``stats``."""
         device = next(self.model.parameters()).device
         width = max(len(r.prompt_ids) for r in batch)
         input_ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)  # (B, P)
@@ -111,15 +168,25 @@ class HFGenerateEngine:
             input_ids[row, width - len(request.prompt_ids) :] = torch.tensor(request.prompt_ids)
             attention_mask[row, width - len(request.prompt_ids) :] = 1
         max_new = max(r.sampling.max_new_tokens for r in batch)
-        config = generation_config(batch[0].sampling, batch[0].eos_token_ids, max_new, self.pad_token_id)
-        out = self.model.generate(
-            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config
+        config = generation_config(
+            batch[0].sampling, batch[0].eos_token_ids, max_new, self.pad_token_id, scores=self.return_logprobs
         )
+        out = self.model.generate(
+            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config,
+            logits_processor=LogitsProcessorList([first]),
+        )  # fmt: skip
         new_tokens = out.sequences[:, width:].cpu()  # (B, N)
-        if new_tokens.shape[1] != len(out.scores):
-            raise EngineError(f"{self.name}: {len(out.scores)} score steps for {new_tokens.shape[1]} new tokens")
         if new_tokens.shape[1] == 0:
             raise EngineError(f"{self.name}: generate() returned no new tokens")
+        kv = cache_bytes(getattr(out, "cache", None) or getattr(out, "past_key_values", None))
+        if kv is not None:  # batches run one after another: the largest is what was reserved at once
+            stats.kv_reserved_bytes = max(stats.kv_reserved_bytes or 0, kv)
+        stats.extra["generated_width"] = max(stats.extra["generated_width"], new_tokens.shape[1])
+        if not self.return_logprobs:
+            nan = [float("nan")] * new_tokens.shape[1]
+            return [finish_rollout(request, new_tokens[row].tolist(), nan) for row, request in enumerate(batch)]
+        if new_tokens.shape[1] != len(out.scores):
+            raise EngineError(f"{self.name}: {len(out.scores)} score steps for {new_tokens.shape[1]} new tokens")
         scores = torch.stack(out.scores, dim=1).float().cpu()  # (B, N, V)
         logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new_tokens[..., None])[..., 0]  # (B, N)
         return [

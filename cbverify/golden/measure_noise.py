@@ -1,14 +1,15 @@
 """Measure the noise the golden tolerances must absorb, and the signal they must still catch.
 
-``python -m cbverify.golden.measure_noise [--case ...] [--engine NAME ...] [--threads N ...]`` prints, per case (one JSON line),
-the max |Δ| and mean Δ of every recorded log-prob series between the committed golden (2 threads) and
+``python -m cbverify.golden.measure_noise [--case ...] [--engine NAME ...] [--threads N ...]`` prints, per case (one
+JSON line), the max |Δ| and mean Δ of every recorded log-prob series between the committed golden (2 threads) and
 
 - ``fresh-process``: the reference recomputed in this process (run-to-run noise across processes);
 - ``threads=N``: the same computation with ``torch.set_num_threads(N)`` for N in 1 and 4;
 - ``engine:<name>`` (with ``--engine``): each harness engine's sampling log-probs on the common token prefix;
 - ``perturbed``: the signal: N(0, 1e-3) noise added to one layer's ``mlp.down_proj`` weight (what the tests inject).
 
-The output is the evidence behind the golden tolerances in ``cbverify.tolerances``; rerun it when the stack changes and update the reasons.
+The output is the evidence behind the golden tolerances in ``cbverify.tolerances``; rerun it when the stack changes
+and update the reasons.
 """
 
 from __future__ import annotations
@@ -58,11 +59,9 @@ def series_delta(base: list[dict], other: list[dict]) -> dict:
 
 
 def engine_delta(name: str, model, case: GoldenCase, base: list[dict]) -> dict | str:
-    from cbverify.golden.check import build_engine
+    from cbverify.engines import get_engine
 
-    engine = build_engine(name, model)
-    if isinstance(engine, str):
-        return engine
+    engine = get_engine(name, model)
     if not (engine.capabilities.spec_sampling or case.sampling_params.greedy):
         return "own RNG on a sampled case: not comparable"
     try:

@@ -24,7 +24,7 @@ PROBE_IDS = (1, 19, 17, 4, 5, 13, 10, 22, 4, 5, 13, 10, 15, 12)  # "<bos>Q:12+7\
 
 @dataclass(frozen=True, slots=True)
 class ModelSnapshot:
-    """Everything generation must leave untouched (issue 6: "generation leaves no trace")."""
+    """Everything generation must leave untouched ("generation leaves no trace")."""
 
     attn_implementation: str
     config_json: str

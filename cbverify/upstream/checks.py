@@ -1,7 +1,7 @@
 """Structural invariants of one captured trainer run: alignment, failures, "generation leaves no trace", IS plumbing.
 
-Each function takes ``(scenario, capture)`` and returns :class:`~cbverify.upstream.findings.CheckResult` objects, one per
-check, PASS / FAIL / NOT-APPLICABLE with a one-line reason. Expected prompt ids are rebuilt independently of TRL
+Each function takes ``(scenario, capture)`` and returns :class:`~cbverify.upstream.findings.CheckResult` objects, one
+per check, PASS / FAIL / NOT-APPLICABLE with a one-line reason. Expected prompt ids are rebuilt independently of TRL
 (BOS + the task's character encoding), never read back from the trainer.
 """
 

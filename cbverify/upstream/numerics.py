@@ -1,6 +1,7 @@
 """Numerical invariants of a captured trainer run, each against ``reference`` (the oracle), never against TRL.
 
-- trainer per-token log-probs on the rolled-out tokens vs ``reference.logprobs.per_token_logps`` (DESIGN §4 tiers);
+- trainer per-token log-probs on the rolled-out tokens vs ``reference.logprobs.per_token_logps``
+  (``cbverify.tolerances`` tiers);
 - advantages vs ``reference.advantages.compute_advantages`` on the rewards the trainer computed;
 - the loss vs ``reference.loss.grpo_loss`` fed the trainer's own per-token log-probs (so only the loss math is judged);
 - sampled tokens inside the support the requested options allow (an option a path ignores shows up here);

@@ -1,7 +1,8 @@
 """Drive TRL's real trainers offline, one :class:`~cbverify.upstream.scenario.TrainerScenario` at a time.
 
 :func:`run_scenario` copies the model (the caller's stays untouched), builds the trainer for the scenario's
-generation path, wraps it with :mod:`cbverify.upstream.capture`, trains (or evaluates) for ``max_steps`` steps and returns
+generation path, wraps it with :mod:`cbverify.upstream.capture`, trains (or evaluates) for ``max_steps`` steps and
+returns
 the :class:`~cbverify.upstream.capture.Capture`. A trainer that raises does not raise here: the error is kept in
 ``capture.run_error`` so that each check can report it as a FAIL with its reason (a crash is a result).
 

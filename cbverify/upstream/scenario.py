@@ -1,7 +1,7 @@
 """One drawn configuration of a TRL trainer run (:class:`TrainerScenario`) and how it becomes a real trainer.
 
-A scenario names the trainer (``grpo`` / ``rloo``), the generation path and every knob the upstream invariants vary
-(issue 6, point 2). :func:`build_trainer` turns it into a TRL 1.16 ``GRPOTrainer`` / ``RLOOTrainer`` that runs
+A scenario names the trainer (``grpo`` / ``rloo``), the generation path and every knob the upstream invariants vary.
+:func:`build_trainer` turns it into a TRL 1.16 ``GRPOTrainer`` / ``RLOOTrainer`` that runs
 offline on a local model object: ``datasets.Dataset.from_list``, ``report_to="none"``, ``use_cpu`` on CPU, no hub.
 
 Paths:

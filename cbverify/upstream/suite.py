@@ -118,8 +118,9 @@ def greedy_agreement(model, tokenizer, base: TrainerScenario = GREEDY_AGREEMENT)
     if not base.greedy:
         raise ValueError("greedy_agreement needs a greedy scenario")
     captures = {}
-    variants = [("generate", "generate", "cb_impl"), ("cb", "cb", "cb_impl"), ("rollout_func[reference]", "rollout_func",
-                "reference"), ("rollout_func[cb_impl]", "rollout_func", "cb_impl")]  # fmt: skip
+    variants = [("generate", "generate", "cb_impl"), ("cb", "cb", "cb_impl"),  # backend unused off rollout_func
+                ("rollout_func[reference]", "rollout_func", "reference"),
+                ("rollout_func[cb_impl]", "rollout_func", "cb_impl")]  # fmt: skip
     for label, path, backend in variants:
         scenario = replace(base, path=path, rollout_backend=backend)
         if not_applicable(scenario) is None:

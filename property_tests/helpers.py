@@ -1,0 +1,63 @@
+"""Assertions shared by the property tests (one way to say "matches the reference")."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+from cbverify.compare import check_conventions, check_results, compare_tokens
+from cbverify.tolerances import FP32, Tier
+from reference.generate import generate as reference_generate
+from reference.spec import Rollout, RolloutRequest
+
+
+def assert_matches_reference(
+    model,
+    requests: Sequence[RolloutRequest],
+    rollouts: Sequence[Rollout],
+    *,
+    engine: str,
+    expected: Sequence[Rollout] | None = None,
+    tier: Tier = FP32,
+    repro: str = "",
+    logprobs: bool = True,
+    conventions: bool = True,
+) -> None:
+    """``rollouts`` (an engine's, for ``requests``) against the oracle's (``expected``, generated when omitted).
+
+    Results complete and in request order; each rollout follows the EOS / length conventions (``conventions``);
+    tokens identical, or diverging only at an accepted near-tie of ``tier`` (reported as a warning); with
+    ``logprobs``, the engine's log-probs within ``tier.logprob_max_abs`` of the oracle's on the common prefix, and the
+    same finish reason when the tokens agree.
+    """
+    expected = reference_generate(model, list(requests)) if expected is None else expected
+    assert not check_results(requests, rollouts), check_results(requests, rollouts)
+    for request, ours, ref in zip(requests, rollouts, expected, strict=True):
+        if conventions:
+            assert not check_conventions(request, ours), check_conventions(request, ours)
+        divergence = compare_tokens(model, request, ref, ours, engine=engine, tier=tier, repro=repro)
+        if divergence is not None:
+            assert divergence.accepted, divergence.describe()
+            warnings.warn(f"near-tie divergence: {divergence.describe()}", stacklevel=2)
+        if not logprobs:
+            continue
+        common = divergence.position if divergence is not None else len(ref.logprobs)
+        diffs = [abs(a - b) for a, b in zip(ours.logprobs[:common], ref.logprobs[:common], strict=True)]
+        assert max(diffs, default=0.0) <= tier.logprob_max_abs, (request.request_id, max(diffs), repro)
+        if divergence is None:
+            assert ours.finish_reason == ref.finish_reason, (request.request_id, ours, ref)
+
+
+def grpo_trainer_generation_config(config):
+    """The ``GenerationConfig`` a real ``GRPOTrainer`` builds from ``config`` (on the bundled Llama, no training)."""
+    from datasets import Dataset
+    from trl import GRPOTrainer
+
+    from reference.models import load
+
+    model, tokenizer = load("tiny-llama-arith")
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=config,
+        train_dataset=Dataset.from_list([{"prompt": "Q:1+2\n"}] * 4), processing_class=tokenizer,
+    )  # fmt: skip
+    return trainer.generation_config
