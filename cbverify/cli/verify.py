@@ -1,9 +1,12 @@
-"""``cbverify verify``: every engine against the reference oracle on one model; a PASS/FAIL row per engine.
+"""``cbverify verify``: every engine against the reference oracle on one checkpoint; a PASS/FAIL row per engine.
 
-Workload (:func:`default_requests`): ``--num-prompts`` arithmetic questions from ``reference.tasks`` (seed
-``--seed``), each asked twice: greedy, and sampled at T=1 with top-k 10 / top-p 0.95 (per-request seeds). Own-RNG
-engines additionally get the sampling-distribution test (``--dist-samples`` copies of one sampled request).
-Exit code: 0 when every engine passes (N/A counts as a pass only if ``--allow-na``), 1 otherwise.
+Any local checkpoint works: its own tokenizer, chat template, EOS ids and pad token (:mod:`cbverify.checkpoint`),
+the user's prompts (``--prompts``, TRL's dataset formats) and GRPO recipe (``--grpo-config``: the sampling config TRL
+builds from it, ``num_generations`` as the group size). Workload: :mod:`cbverify.workload`. Own-RNG engines also get
+the sampling-distribution test (``--dist-samples`` copies of one sampled request). An engine that cannot be built or
+fails while running is that engine's FAIL row (N/A when it refuses the model or workload up front, with the reason).
+Exit code: 0 when every engine passes (N/A counts as a pass only with ``--allow-na``), 1 otherwise; bad input is a
+one-line error (exit 2) before any model work.
 """
 
 from __future__ import annotations
@@ -19,11 +22,14 @@ import torch
 from tqdm import tqdm
 
 from cbverify import report
-from cbverify.engines import ENGINE_NAMES, get_engine
+from cbverify.checkpoint import Checkpoint, open_checkpoint
+from cbverify.engines import ENGINE_NAMES, NotApplicable, get_engine
+from cbverify.grpo_config import RolloutConfig, load_rollout_config
+from cbverify.prompts import load_prompts
 from cbverify.tolerances import tier_for
-from reference import tasks
-from reference.models import DEFAULT_MODEL, load
-from reference.spec import Rollout, RolloutRequest, SamplingParams
+from cbverify.workload import DEFAULT_SAMPLING, Workload, build_workload
+from reference.models import DEFAULT_MODEL
+from reference.spec import Rollout
 
 SMALL_MODEL_PARAMS = 5e7  # below this, one CPU thread is fastest: measured 129 us vs 24 ms per (40x128)@(128x384)
 # linear with 2 threads on a loaded 2-core machine (the bundled models have < 1M parameters)
@@ -31,18 +37,6 @@ DEFAULT_ENGINE_OPTIONS: dict[str, dict] = {
     "cb_impl": {"block_size": 16, "num_blocks": 256, "max_batch_tokens": 512},  # small explicit cache on any device
     "transformers-cb": {"page_size": 16, "max_batch_tokens": 256},
 }
-
-
-def default_requests(num_prompts: int, seed: int, max_new_tokens: int) -> list[RolloutRequest]:
-    """Greedy + sampled requests over ``num_prompts`` arithmetic prompts (see module docstring)."""
-    sampled = SamplingParams(temperature=1.0, top_k=10, top_p=0.95, max_new_tokens=max_new_tokens)
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
-    requests = []
-    for i, problem in enumerate(tasks.make_problems(num_prompts, seed=seed, max_terms=4)):
-        prompt = tuple(tasks.prompt_ids(problem))
-        for kind, sampling in (("greedy", greedy), ("sampled", sampled)):
-            requests.append(RolloutRequest(f"q{i}-{kind}", prompt, sampling, seed=seed * 1000 + i, eos_token_ids=(2,)))
-    return requests
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -53,9 +47,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="device to run every engine on")
     parser.add_argument("--json", type=Path, default=None, help="also write the report as JSON to this file")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the report as Markdown to this file")
-    parser.add_argument("--num-prompts", type=int, default=8, help="arithmetic prompts (each run greedy and sampled)")
+    parser.add_argument("--prompts", default=None,
+                        help="prompts file: .jsonl / .json with a 'prompt' field (string or chat messages, as TRL's "
+                        "datasets) or .txt (one per line); default: the task's problems for the bundled arithmetic "
+                        "models, else a built-in natural-language set")  # fmt: skip
+    parser.add_argument("--grpo-config", default=None,
+                        help="TRL recipe YAML (as `trl grpo --config` reads it) or JSON of GRPOConfig fields: verify "
+                        "the sampling config and group size TRL would generate with")  # fmt: skip
+    parser.add_argument("--num-prompts", type=int, default=8, help="prompts to use (each run greedy and sampled)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompt set and of the sampling seeds")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="completion budget per request")
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="completion budget per request (default: the recipe's max_completion_length, else 64)",
+    )
     parser.add_argument("--dist-samples", type=int, default=200,
                         help="samples for the own-RNG distribution test (0 skips it)")  # fmt: skip
     parser.add_argument("--allow-na", action="store_true", help="exit 0 even if an engine is not applicable")
@@ -75,30 +81,32 @@ class _Replay:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.num_prompts < 1 or args.max_new_tokens < 1 or args.dist_samples < 0:
-        raise SystemExit("--num-prompts and --max-new-tokens must be >= 1, --dist-samples >= 0")
-    if args.dist_samples and args.dist_samples < 50:
-        raise SystemExit("--dist-samples must be 0 (skip) or >= 50 (the distribution test's minimum node size)")
-    if args.threads is not None and args.threads < 1:
-        raise SystemExit("--threads must be >= 1")
-    torch.manual_seed(args.seed)
-    model, _ = load(args.model, dtype=args.dtype, device=args.device)
-    threads = args.threads or (1 if sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS else None)
-    if threads:
-        torch.set_num_threads(threads)
-    tier = tier_for(args.dtype)
-    requests = default_requests(args.num_prompts, args.seed, args.max_new_tokens)
-    short = replace(requests[1].sampling, max_new_tokens=4)  # a few positions suffice; the nodes thin out fast
-    dist = [RolloutRequest("dist", requests[1].prompt_ids, short, eos_token_ids=(2,))] if args.dist_samples else []
+    try:
+        plan = _prepare(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"cbverify verify: error: {err}", file=sys.stderr)
+        return 2
+    ckpt, model, workload, rollout_config, tier = plan
+    requests = list(workload.requests)
+    sampled = requests[1]
+    short = replace(sampled.sampling, max_new_tokens=4)  # a few positions suffice; the nodes thin out fast
+    dist = [replace(sampled, request_id="dist", sampling=short)] if args.dist_samples else []
     repro = f"cbverify verify --model {args.model} --dtype {args.dtype} --device {args.device} " \
-        f"--num-prompts {args.num_prompts} --seed {args.seed} --max-new-tokens {args.max_new_tokens}"  # fmt: skip
+        f"--num-prompts {args.num_prompts} --seed {args.seed} --max-new-tokens {sampled.sampling.max_new_tokens}" \
+        + (f" --prompts {args.prompts}" if args.prompts else "") \
+        + (f" --grpo-config {args.grpo_config}" if args.grpo_config else "")  # fmt: skip
     names = ["reference"] + [n for n in args.engines if n != "reference"]
     rows = []
     with tqdm(names, desc="verify", unit="engine", disable=None) as bar:
         ref_engine = get_engine("reference", model)
         bar.set_postfix_str("reference")
         start = time.perf_counter()
-        reference = ref_engine.generate(requests)
+        try:
+            reference = ref_engine.generate(requests)
+        except Exception as err:  # nothing can be judged without the oracle: say so in one line
+            print(f"cbverify verify: error: the reference oracle cannot run {args.model}: {type(err).__name__}: {err}",
+                  file=sys.stderr)  # fmt: skip
+            return 1
         ref_wall = time.perf_counter() - start
         for name in bar:
             bar.set_postfix_str(name)
@@ -108,11 +116,10 @@ def run(args: argparse.Namespace) -> int:
                 if "reference" not in args.engines:
                     continue
             else:
-                engine = get_engine(name, model, **DEFAULT_ENGINE_OPTIONS.get(name, {}))
-                row = report.evaluate_engine(engine, model, requests, reference, tier, repro=repro,
-                                             dist_requests=dist, dist_samples=args.dist_samples)  # fmt: skip
+                row = _evaluate(name, model, requests, reference, tier, repro, dist, args.dist_samples)
             rows.append(row)
     env = report.environment(args.device, args.dtype, str(args.model), tier)
+    env |= _workload_summary(ckpt, workload, rollout_config)
     color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
     print(report.render_text(env, rows, color=color))
     if args.json:
@@ -121,3 +128,60 @@ def run(args: argparse.Namespace) -> int:
         args.markdown.write_text(report.render_markdown(env, rows))
     ok = all(r.status == "PASS" or (r.status == "N/A" and args.allow_na) for r in rows)
     return 0 if ok else 1
+
+
+def _prepare(args: argparse.Namespace):
+    """Everything that can be checked before model work, then the checkpoint and the workload."""
+    if args.num_prompts < 1 or (args.max_new_tokens is not None and args.max_new_tokens < 1) or args.dist_samples < 0:
+        raise ValueError("--num-prompts and --max-new-tokens must be >= 1, --dist-samples >= 0")
+    if args.dist_samples and args.dist_samples < 50:
+        raise ValueError("--dist-samples must be 0 (skip) or >= 50 (the distribution test's minimum node size)")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError("--threads must be >= 1")
+    rollout_config = load_rollout_config(args.grpo_config) if args.grpo_config else None
+    if args.prompts:
+        load_prompts(args.prompts)  # parse errors before the weights are read
+    ckpt = open_checkpoint(args.model)
+    max_new = args.max_new_tokens or (rollout_config.sampling.max_new_tokens if rollout_config else 64)
+    workload = build_workload(
+        ckpt, prompts_file=args.prompts, num_prompts=args.num_prompts, seed=args.seed, max_new_tokens=max_new,
+        sampled=rollout_config.sampling if rollout_config else DEFAULT_SAMPLING,
+        group_size=rollout_config.num_generations if rollout_config else 1,
+        eos_token_ids=rollout_config.eos_token_ids if rollout_config else None,
+    )  # fmt: skip
+    torch.manual_seed(args.seed)
+    model = ckpt.load_model(dtype=args.dtype, device=args.device)
+    threads = args.threads or (1 if sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS else None)
+    if threads:
+        torch.set_num_threads(threads)
+    return ckpt, model, workload, rollout_config, tier_for(args.dtype)
+
+
+def _evaluate(name, model, requests, reference, tier, repro, dist, dist_samples) -> report.EngineRow:
+    """One engine's row; building it is part of the verdict (a refusal is N/A, any other failure a FAIL)."""
+    try:
+        engine = get_engine(name, model, **DEFAULT_ENGINE_OPTIONS.get(name, {}))
+    except NotApplicable as err:
+        return report.EngineRow(name, status="N/A", problems=[err.reason])
+    except Exception as err:  # a construction failure is this engine's FAIL, never a traceback out of the command
+        return report.EngineRow(name, problems=[f"construction failed: {type(err).__name__}: {err}"])
+    return report.evaluate_engine(engine, model, requests, reference, tier, repro=repro, dist_requests=dist,
+                                  dist_samples=dist_samples)  # fmt: skip
+
+
+def _workload_summary(ckpt: Checkpoint, workload: Workload, config: RolloutConfig | None) -> dict[str, str]:
+    """What was asked, in the report's header: prompts, sampling, EOS, and every option no engine was given."""
+    s = workload.sampled
+    out = {
+        "prompts": f"{len(workload.requests) // (workload.group_size + 1)} ({workload.prompt_source})",
+        "sampled": f"T={s.temperature:g} top_k={s.top_k} top_p={s.top_p:g} min_p={s.min_p:g} x{workload.group_size}",
+        "eos_token_ids": str(list(workload.requests[0].eos_token_ids)),
+    }
+    if config is not None:
+        out["grpo_config"] = config.source
+        if config.unused_keys:
+            out["unused (not sampling)"] = ", ".join(config.unused_keys)
+        if config.extra_options:
+            ignored = ", ".join(f"{k}={v!r}" for k, v in config.extra_options.items())
+            out["ignored by every engine (outside the sampling spec, not verified)"] = ignored
+    return out
