@@ -4,13 +4,15 @@ It claims everything the spec asks for: counter-based (spec) sampling, per-reque
 and batch invariance of tokens (the noise is a function of seed and position, not of the batch). Options are the
 fields of ``cb_impl.config.EngineConfig`` (``block_size``, ``num_blocks``, ``max_batch_tokens``, ``max_num_seqs``,
 ``enable_prefix_sharing``, ...); on CPU pass a small ``num_blocks`` (the default sizes the cache from free memory).
+A model the engine refuses at construction (``cb_impl.support.UnsupportedModel``: a feature it does not implement)
+raises :class:`NotApplicable` with the engine's reason.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cbverify.engines import Capabilities, EngineError, check_unique_ids
+from cbverify.engines import Capabilities, EngineError, NotApplicable, check_unique_ids
 from reference.spec import Rollout, RolloutRequest
 
 
@@ -30,9 +32,13 @@ class CbImplEngine:
     def __init__(self, model, **config) -> None:
         from cb_impl.config import EngineConfig
         from cb_impl.engine import LLMEngine
+        from cb_impl.support import UnsupportedModel
 
         self.config = EngineConfig(**config)
-        self.engine = LLMEngine(model, self.config)
+        try:
+            self.engine = LLMEngine(model, self.config)
+        except UnsupportedModel as err:
+            raise NotApplicable(self.name, str(err)) from err
 
     @property
     def stats(self) -> dict:
