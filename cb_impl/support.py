@@ -46,7 +46,8 @@ def unsupported_features(cfg: object) -> list[str]:
                      " text-only decoder models")  # fmt: skip
     if not getattr(cfg, "num_attention_heads", None):
         found.append("no attention heads (a state-space or recurrent model)")
-    other = sorted(set(getattr(cfg, "layer_types", None) or ()) - set(FULL_OR_SLIDING))
+    kinds = set(getattr(cfg, "layer_types", None) or ()) | set(getattr(cfg, "layers_block_type", None) or ())
+    other = sorted(kinds - {*FULL_OR_SLIDING, "attention"})  # layers_block_type: Jamba-style hybrids
     if other:
         found.append(f"layer types {other}: convolution / linear-attention / state-space / chunked layers")
     if getattr(cfg, "attention_chunk_size", None) is not None:
