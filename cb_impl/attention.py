@@ -4,7 +4,11 @@ our KV cache.
 One forward carries many sequences packed as ``input_ids`` (1, T): prefill chunks and decode tokens. Each layer's
 attention call (1) writes the new keys/values into the paged cache at ``slot_mapping``, then (2) for each group of
 sequences (decodes, then prefill chunks; padding is per group so decodes are never padded to a chunk's length)
-gathers every sequence's keys/values from the cache into a padded (S, Hkv, L, D) tensor and runs causal SDPA.
+gathers every sequence's keys/values from the cache into a padded (S, Hkv, L, D) tensor and runs causal SDPA. A
+layer called with ``sliding_window=w`` masks keys more than ``w - 1`` positions behind the query (transformers'
+``sliding_window_overlay``); one called with ``softcap`` (Gemma 2) or ``s_aux`` (gpt-oss sinks) gets its scores
+computed explicitly (:func:`explicit_attention`). Features that reach attention any other way are refused at
+construction by ``cb_impl.support``.
 
 Oracle: equals the model's own attention (``eager``/``sdpa``) over each sequence's full prefix — checked end to end
 against ``reference.generate`` by the exactness properties. Padding never reads an unwritten slot: padded key
@@ -26,6 +30,9 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from cb_impl.kv_cache import PagedKVCache
+from cb_impl.support import UnsupportedModel
+
+NOT_ROUTED = "is not supported by cb_impl: its attention does not go through transformers' AttentionInterface"
 
 GATHER_BUDGET = 1 << 18  # elements of gathered keys (and as many values) per SDPA call
 
@@ -34,13 +41,21 @@ GATHER_BUDGET = 1 << 18  # elements of gathered keys (and as many values) per SD
 class AttentionGroup:
     """Sequences attended together: ``q_index`` (S, Q) rows of the packed T (padding -> row of the first query),
     ``valid_flat`` (N,) the real entries of the flattened (S * Q) grid and ``dst_rows`` (N,) their packed rows,
-    ``kv_slots`` (S, L) cache slots, ``mask`` (S, 1, Q, L) True = attend."""
+    ``kv_slots`` (S, L) cache slots, ``mask`` (S, 1, Q, L) True = attend, ``q_pos`` (S, Q) query positions (0 for
+    padding rows)."""
 
     q_index: torch.Tensor  # (S, Q)
     valid_flat: torch.Tensor  # (N,)
     dst_rows: torch.Tensor  # (N,)
     kv_slots: torch.Tensor  # (S, L)
     mask: torch.Tensor | None  # (S, 1, Q, L); None when no entry is masked
+    q_pos: torch.Tensor  # (S, Q)
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """(S, 1, Q, L): ``mask`` and key position > query position - ``window`` (padding rows keep column 0)."""
+        k = torch.arange(self.kv_slots.shape[1], device=self.q_pos.device)  # (L,)
+        inside = (k[None, None, :] > self.q_pos[:, :, None] - window)[:, None]  # (S, 1, Q, L)
+        return inside if self.mask is None else self.mask & inside
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,12 +85,36 @@ def build_group(
     kv_slots = slots_of(rows, torch.where(k_valid, k[None, :], 0))  # (S, L)
     valid_flat = q_valid.flatten().nonzero().squeeze(1)  # (N,) once per step, not per layer
     dst_rows = q_index.flatten()[valid_flat]  # (N,)
+    q_pos = torch.where(q_valid, starts_t[:, None] + q[None, :], 0)  # (S, Q)
     if q_max == 1 and all_full:
-        return AttentionGroup(q_index, valid_flat, dst_rows, kv_slots, None)  # equal-context decodes: no mask
-    q_pos = starts_t[:, None] + q[None, :]  # (S, Q)
+        return AttentionGroup(q_index, valid_flat, dst_rows, kv_slots, None, q_pos)  # equal-context decodes: no mask
     mask = (k[None, None, :] <= q_pos[:, :, None]) & q_valid[:, :, None]  # (S, Q, L)
     mask |= (~q_valid)[:, :, None] & (k == 0)[None, None, :]  # padded query rows see column 0 only
-    return AttentionGroup(q_index, valid_flat, dst_rows, kv_slots, mask[:, None])
+    return AttentionGroup(q_index, valid_flat, dst_rows, kv_slots, mask[:, None], q_pos)
+
+
+def explicit_attention(
+    q: torch.Tensor,  # (s, Hq, Q, D)
+    k: torch.Tensor,  # (s, Hkv, L, D)
+    v: torch.Tensor,  # (s, Hkv, L, D)
+    mask: torch.Tensor | None,  # (s, 1, Q, L) True = attend
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,  # (Hq,)
+) -> torch.Tensor:  # (s, Hq, Q, D)
+    """Attention with explicit scores: ``softcap * tanh(scores / softcap)`` when soft-capped, and a per-head sink
+    logit joining the softmax then dropped. Oracle: the model's ``eager_attention_forward`` (Gemma 2, gpt-oss)."""
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # (s, Hq, L, D), as transformers' repeat_kv
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)  # (s, Hq, L, D)
+    scores = q @ k.transpose(-1, -2) * scale  # (s, Hq, Q, L)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)  # (s, Hq, Q, 1)
+        scores = torch.cat([scores, sink], dim=-1)  # (s, Hq, Q, L + 1)
+    return scores.softmax(dim=-1)[..., : k.shape[2]] @ v
 
 
 class PagedAttention:
@@ -106,8 +145,7 @@ class PagedAttention:
         meta = self.metadata
         if meta is None:
             raise RuntimeError(f"{self.name} called outside an engine step (model not attached to the engine)")
-        if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
-            raise NotImplementedError("cb_impl supports full causal attention only (no sliding window / softcap)")
+        window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
         if query.shape[0] != 1:
             raise RuntimeError(f"cb_impl packs all sequences into batch 1, got query batch {query.shape[0]}")
         layer = module.layer_idx
@@ -119,6 +157,7 @@ class PagedAttention:
         for g in meta.groups:
             (num_seqs, q_len), kv_len = g.q_index.shape, g.kv_slots.shape[1]
             og = torch.empty(num_seqs, q_len, *q.shape[1:], dtype=out.dtype, device=out.device)  # (S, Q, Hq, D)
+            group_mask = g.mask if window is None else g.window_mask(int(window))  # (S, 1, Q, L)
             # sequences in slices whose gathered K/V stay small: cache-resident, and below malloc's mmap threshold
             # (a fresh mmap per layer costs page faults); rows of SDPA are independent, so slicing changes nothing
             step = max(1, self.gather_budget // (kv_len * k_cache.shape[1] * k_cache.shape[2]))
@@ -129,8 +168,12 @@ class PagedAttention:
                 qg = q[g.q_index[rows]].transpose(1, 2).to(dtype)  # (s, Hq, Q, D)
                 kg = k_cache.index_select(0, flat).view(shape).transpose(1, 2).to(dtype)  # (s, Hkv, L, D)
                 vg = v_cache.index_select(0, flat).view(shape).transpose(1, 2).to(dtype)  # (s, Hkv, L, D)
-                mask = None if g.mask is None else g.mask[rows]  # (s, 1, Q, L)
-                o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scaling, enable_gqa=True)
+                mask = None if group_mask is None else group_mask[rows]  # (s, 1, Q, L)
+                if softcap is None and sinks is None:
+                    o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scaling, enable_gqa=True)
+                else:
+                    scale = scaling if scaling is not None else qg.shape[-1] ** -0.5
+                    o = explicit_attention(qg, kg, vg, mask, scale, softcap, sinks)  # (s, Hq, Q, D)
                 og[rows] = o.transpose(1, 2)  # (s, Q, Hq, D)
             out[g.dst_rows] = og.flatten(0, 1)[g.valid_flat]  # valid rows only
         return out[None], None  # (1, T, Hq, D)
@@ -142,12 +185,15 @@ class PagedAttention:
             configs = {id(m.config): m.config for m in model.modules()
                        if hasattr(getattr(m, "config", None), "_attn_implementation_internal")}  # fmt: skip
             before = {k: c._attn_implementation_internal for k, c in configs.items()}
-            model.set_attn_implementation(self.name)
+            try:
+                model.set_attn_implementation(self.name)
+            except ValueError as err:  # transformers refuses custom attention for this architecture
+                raise UnsupportedModel(f"{type(model).__name__} {NOT_ROUTED} ({err})") from err
             changed = [c for k, c in configs.items() if c._attn_implementation_internal != before[k]]
             for c in changed:
                 c._attn_implementation_internal = before[id(c)]
             if not changed:
-                raise RuntimeError(f"{type(model).__name__} did not accept a custom attention implementation")
+                raise UnsupportedModel(f"{type(model).__name__} {NOT_ROUTED}")
             self._swap = (model, changed)
         return self._swap[1]
 

@@ -3,9 +3,10 @@
 Contract (``reference.spec``): ``generate(requests)`` returns one ``Rollout`` per request in request order, identical
 to ``reference.generate.generate(model, requests)`` under the fp32 tolerance tier, whatever the batch composition,
 arrival order, block size, chunking, memory budget (preemption) and prompt sharing. Bad input raises ``ValueError``
-before any work. A model error during a step fails the requests of that step with that error
-(:class:`EngineStepError`), frees their blocks and leaves the engine usable. The engine is persistent and reads the
-model's weights live at every step, so training updates are seen without any sync.
+before any work, and so does a model with a feature the engine does not implement (``cb_impl.support``). A model
+error during a step fails the requests of that step with that error (:class:`EngineStepError`), frees their blocks
+and leaves the engine usable. The engine is persistent and reads the model's weights live at every step, so training
+updates are seen without any sync.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from cb_impl.model_runner import ModelRunner
 from cb_impl.sampler import build_sampling_batch, sample
 from cb_impl.scheduler import Scheduler
 from cb_impl.sequence import Sequence
+from cb_impl.support import check_supported
 from reference.spec import Rollout, RolloutRequest, SamplingParams
 
 
@@ -33,23 +35,9 @@ class EngineStepError(RuntimeError):
         self.request_ids = request_ids
 
 
-def check_text_only(model: torch.nn.Module) -> None:
-    """Reject models the engine cannot drive: multimodal or encoder-decoder (text-only decoders, as TRL's CB)."""
-    cfg = getattr(model, "config", None)
-    if cfg is None or not hasattr(model, "get_input_embeddings"):
-        raise ValueError(f"{type(model).__name__} is not a Hugging Face model (no config / input embeddings)")
-    multimodal = [k for k in ("vision_config", "audio_config", "image_token_id", "image_token_index") if
-                  getattr(cfg, k, None) is not None]  # fmt: skip
-    if multimodal or getattr(cfg, "is_encoder_decoder", False):
-        raise ValueError(
-            f"{type(model).__name__} is multimodal or encoder-decoder ({', '.join(multimodal) or 'encoder-decoder'}):"
-            " cb_impl drives text-only decoder models"
-        )
-
-
 class LLMEngine:
     def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None) -> None:
-        check_text_only(model)
+        check_supported(model)  # UnsupportedModel (a ValueError) names the feature, before any work
         self.config = config if config is not None else EngineConfig()
         if not isinstance(self.config, EngineConfig):
             raise ValueError(f"config must be an EngineConfig, got {type(self.config).__name__}")

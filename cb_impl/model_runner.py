@@ -15,6 +15,7 @@ from cb_impl.attention import PagedAttention, StepMetadata, build_group
 from cb_impl.config import EngineConfig
 from cb_impl.kv_cache import PagedKVCache, bytes_per_block, plan_num_blocks
 from cb_impl.scheduler import ScheduledBatch
+from cb_impl.support import CONTEXT_FIELDS, context_length
 
 
 class ModelRunner:
@@ -29,9 +30,9 @@ class ModelRunner:
         num_heads = int(cfg.num_attention_heads)
         num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or num_heads)
         head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads)
-        self.max_model_len = int(config.max_model_len or getattr(cfg, "max_position_embeddings", 0) or 0)
+        self.max_model_len = int(config.max_model_len or context_length(cfg))
         if self.max_model_len < 1:
-            raise ValueError("the model config has no max_position_embeddings: set EngineConfig.max_model_len")
+            raise ValueError(f"the model config has none of {', '.join(CONTEXT_FIELDS)}: set max_model_len")
         param = next(model.parameters())
         self.device, dtype = param.device, param.dtype
         block_bytes = bytes_per_block(num_layers=self.num_layers, block_size=config.block_size,
@@ -43,6 +44,7 @@ class ModelRunner:
                                   device=self.device)  # fmt: skip
         upcast = config.float64_attention if config.float64_attention is not None else self.device.type == "cpu"
         self.attention = PagedAttention(self.cache, torch.float64 if upcast else None)
+        self.attention._targets(model)  # a model that refuses a custom attention fails here, not at the first step
         self._depth = 0
         self.num_pairs = 0
         self.num_padded_pairs = 0

@@ -65,7 +65,7 @@ def test_the_invariant_behind_each_registered_finding_holds(finding: Finding, mo
     if failing and len(failing) == len(covered):
         raise FindingReproduces(f"{finding.id}: {failing[0].check}: {failing[0].reason}")
     passing = sorted({r.check for r in covered if r.status != FAIL})
-    assert not failing, f"{finding.id} reproduces only partly: {passing} pass now; update cbverify/findings.py"
+    assert not failing, f"{finding.id} reproduces only partly: {passing} pass now; update the registry"
 
 
 def test_every_failure_on_a_findings_repro_scenario_is_registered(models):

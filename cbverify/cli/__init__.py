@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "bench": ("cbverify.cli.bench", "side-by-side throughput/memory benchmarks with plots"),
     "upstream": ("cbverify.cli.upstream", "TRL / transformers integration checks and the findings registry"),
     "matrix": ("cbverify.cli.matrix", "run the upstream checks across several transformers/trl versions"),
+    "zoo": ("cbverify.cli.zoo", "every engine on tiny checkpoints of many architectures; the coverage table"),
     "train": (
         "cbverify.cli.train",
         "the oracle's GRPO loop on the bundled model, with the reference or cb_impl engine",

@@ -5,6 +5,8 @@ and batch invariance of tokens (the noise is a function of seed and position, no
 fields of ``cb_impl.config.EngineConfig`` (``block_size``, ``num_blocks``, ``max_batch_tokens``, ``max_num_seqs``,
 ``enable_prefix_sharing``, ...); on CPU pass a small ``num_blocks`` (the default sizes the cache from free memory).
 ``window_hook`` (see :mod:`cbverify.engines`) is the one adapter option that is not an ``EngineConfig`` field.
+A model the engine refuses at construction (``cb_impl.support.UnsupportedModel``: a feature it does not implement)
+raises :class:`NotApplicable` with the engine's reason.
 
 Cost (``last_run``, :class:`cbverify.engines.RunStats`): the window is the whole call; TTFT is the end of the
 engine's first step (``step`` is wrapped on the instance for the call); KV is the engine's cache; ``extra["stats"]``
@@ -16,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import nullcontext
 
-from cbverify.engines import Capabilities, EngineError, RunStats, WindowHook, check_unique_ids, clock
+from cbverify.engines import Capabilities, EngineError, NotApplicable, RunStats, WindowHook, check_unique_ids, clock
 from reference.spec import Rollout, RolloutRequest
 
 
@@ -36,9 +38,13 @@ class CbImplEngine:
     def __init__(self, model, *, window_hook: WindowHook | None = None, **config) -> None:
         from cb_impl.config import EngineConfig
         from cb_impl.engine import LLMEngine
+        from cb_impl.support import UnsupportedModel
 
         self.config = EngineConfig(**config)
-        self.engine = LLMEngine(model, self.config)
+        try:
+            self.engine = LLMEngine(model, self.config)
+        except UnsupportedModel as err:
+            raise NotApplicable(self.name, str(err)) from err
         self.device = next(model.parameters()).device
         self.window_hook = window_hook or nullcontext
         self.last_run: RunStats | None = None

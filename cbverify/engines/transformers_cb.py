@@ -171,9 +171,12 @@ class TransformersCBEngine:
         device = next(self.model.parameters()).device
         gen, cb = self._configs(group, greedy=greedy, min_p=min_p)
         setup_start = time.perf_counter()
-        manager = self.model.init_continuous_batching(
-            generation_config=gen, continuous_batching_config=ContinuousBatchingConfig(**cb)
-        )
+        try:
+            manager = self.model.init_continuous_batching(
+                generation_config=gen, continuous_batching_config=ContinuousBatchingConfig(**cb)
+            )
+        except ValueError as err:  # refused before any work (e.g. "Invalid layer type: conv"): not a crash
+            raise NotApplicable(self.name, f"transformers CB refuses this model: {err}") from err
         if self.warmup:
             manager.warmup()
         manager.start()

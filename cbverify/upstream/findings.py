@@ -59,12 +59,17 @@ class Finding:
         return hit and arch_ok and self.on_installed_version()
 
     def on_installed_version(self) -> bool:
-        if not self.transformers:
-            return True
-        import transformers
-        from packaging.specifiers import SpecifierSet
+        return transformers_in(self.transformers)
 
-        return transformers.__version__ in SpecifierSet(self.transformers)
+
+def transformers_in(specifier: str) -> bool:
+    """Whether the installed transformers is in a PEP 440 ``specifier`` (an empty one means every version)."""
+    if not specifier:
+        return True
+    import transformers
+    from packaging.specifiers import SpecifierSet
+
+    return transformers.__version__ in SpecifierSet(specifier)
 
 
 PINNED = "transformers 5.24.0 + trl 1.16.0 (+ accelerate 1.15.0)"

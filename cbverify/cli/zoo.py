@@ -1,0 +1,42 @@
+"""``cbverify zoo``: every engine on tiny random checkpoints of many transformers architectures (coverage table).
+
+Builds the architecture zoo (:mod:`cbverify.zoo.architectures`) in a temporary folder, runs every engine on every
+architecture (:mod:`cbverify.zoo.matrix`), prints one line per cell and, with ``--markdown``, writes the coverage
+table (``docs/coverage.md`` in the repo is this command's output). Exit 1 on an unregistered FAIL or a FIXED?.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from cbverify.engines import ENGINE_NAMES
+from cbverify.zoo.architectures import ARCHS, by_name
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--markdown", type=Path, default=None, help="write the coverage table (Markdown) here")
+    parser.add_argument("--archs", nargs="+", default=[a.name for a in ARCHS], choices=[a.name for a in ARCHS],
+                        help="architectures to run (default: the whole zoo)")  # fmt: skip
+    parser.add_argument("--engines", nargs="+", default=list(ENGINE_NAMES), choices=ENGINE_NAMES,
+                        help="engines to run on each architecture (default: all)")  # fmt: skip
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (tiny models: 1 is fastest)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    import transformers
+
+    from cbverify.zoo.matrix import render_markdown, run_matrix
+
+    torch.set_num_threads(args.threads)
+    transformers.utils.logging.disable_progress_bar()  # one line per architecture instead of loader bars
+    with tempfile.TemporaryDirectory(prefix="cbverify-zoo-") as directory:
+        cells = run_matrix(directory, [by_name(n) for n in args.archs], args.engines, progress=True)
+    for c in cells:
+        print(f"{c.arch:12s} {c.engine:16s} {c.status:40s} {c.detail}")
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(render_markdown(cells, args.engines))
+    return 0 if all(c.ok for c in cells) else 1

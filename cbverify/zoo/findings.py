@@ -1,0 +1,89 @@
+"""Registered upstream failures of the architecture zoo: an engine that crashes on, or diverges from the oracle on,
+some architectures. :mod:`cbverify.zoo.matrix` reports such a cell as ``XFAIL(<id>)``, and the zoo test fails the day
+it passes again (``FIXED?``), so the registry is updated when upstream fixes it. Each entry carries measured evidence
+and the transformers versions it was seen on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cbverify.upstream.findings import transformers_in
+
+
+@dataclass(frozen=True, slots=True)
+class ArchitectureFinding:
+    """An upstream engine that crashes on, or diverges from the oracle on, the zoo architectures named."""
+
+    id: str
+    engine: str  # an engine name of ``cbverify.engines``
+    architectures: tuple[str, ...]  # zoo architecture names (config.model_type); () means every architecture
+    affected: str
+    evidence: str
+    transformers: str = ""  # PEP 440 specifier, as Finding.transformers
+
+
+ZOO_SEEN = "transformers 5.24.0 (torch 2.13.0, CPU, float32; the only version the zoo was run on)"
+ARCHITECTURE_FINDINGS: tuple[ArchitectureFinding, ...] = (
+    ArchitectureFinding(
+        id="cb-ignores-attention-softcap",
+        engine="transformers-cb",
+        architectures=("gemma2",),
+        affected=ZOO_SEEN,
+        evidence="no error, wrong numbers: the first greedy token's log-prob is -1.458 where teacher forcing gives "
+        "-1.553 (12-token prompt; -1.021 vs -0.947 on a 3-token one), and sampled requests pick tokens outside the "
+        "reference's top-k support (log-prob diff inf); the same checkpoint with attn_logit_softcapping=None passes "
+        "(max |dlogp| 9.5e-7), so CB's paged attention drops the softcap",
+    ),
+    ArchitectureFinding(
+        id="cb-cache-lacks-get-seq-length",
+        engine="transformers-cb",
+        architectures=("falcon", "opt", "bloom"),
+        affected=ZOO_SEEN,
+        evidence="every request fails at the first step: the model's forward calls cache.get_seq_length() on the "
+        "PagedAttentionCache CB passes (AttributeError: 'PagedAttentionCache' object has no attribute "
+        "'get_seq_length'); the manager logs it and returns the requests failed",
+    ),
+    ArchitectureFinding(
+        id="cb-gpt-neox-cache-update-signature",
+        engine="transformers-cb",
+        architectures=("gpt_neox",),
+        affected=ZOO_SEEN,
+        evidence="every request fails at the first step: GPTNeoXAttention calls layer_past.update(k, v, layer_idx) "
+        "and PagedAttentionCache.update() requires a further 'kwargs' argument (TypeError)",
+    ),
+    ArchitectureFinding(
+        id="cb-missing-cu-seq-lens-k",
+        engine="transformers-cb",
+        architectures=("stablelm", "nemotron"),
+        affected=ZOO_SEEN,
+        evidence="every request fails at the first step with KeyError: 'cu_seq_lens_k' (the paged attention reads "
+        "CB's varlen metadata, which these models' forward does not pass through to the attention function)",
+    ),
+    ArchitectureFinding(
+        id="cb-mpt-mask-crash",
+        engine="transformers-cb",
+        architectures=("mpt",),
+        affected=ZOO_SEEN,
+        evidence="every request fails at the first step: MptModel builds its ALiBi mask from attention_mask, which "
+        "CB passes as None (AttributeError: 'NoneType' object has no attribute 'to')",
+    ),
+    ArchitectureFinding(
+        id="cb-mla-cache-shape",
+        engine="transformers-cb",
+        architectures=("deepseek_v3",),
+        affected=ZOO_SEEN,
+        evidence="every request fails at the first step: the paged cache is sized num_key_value_heads x head_dim "
+        "(2 x 8) while multi-head latent attention writes 4 heads x 16 (RuntimeError in index_copy_: source/"
+        "destination slice shapes differ)",
+    ),
+)
+
+
+def architecture_finding(engine: str, arch: str) -> ArchitectureFinding | None:
+    """The registered finding that makes ``engine`` fail on zoo architecture ``arch`` (installed version), if any."""
+    for f in ARCHITECTURE_FINDINGS:
+        if f.engine == engine and (not f.architectures or arch in f.architectures):
+            if transformers_in(f.transformers):
+                return f
+    return None

@@ -1,0 +1,145 @@
+"""The architecture x engine matrix: every zoo checkpoint through every engine, judged as ``cbverify verify`` does.
+
+Per architecture (:func:`run_architecture`): the reference generates :func:`zoo_requests` (greedy and sampled,
+three of them 14 tokens long, well past the zoo's sliding window of ``zoo.WINDOW``), then each engine is built with
+:data:`ENGINE_OPTIONS` and judged by ``report.evaluate_engine`` in the fp32 tier (tokens identical where the spec
+fixes them, log-probs against teacher forcing; no distribution test, the cross-engine suite does that). A verdict is:
+
+- ``PASS``; ``N/A`` with the engine's one-line reason (``NotApplicable``, e.g. cb_impl refusing a model up front);
+- ``XFAIL(<id>)``: a FAIL covered by a registered architecture finding (:mod:`cbverify.zoo.findings`);
+- ``FAIL`` (unregistered) or ``FIXED?(<id>)`` (a registered finding that passes again): both are test failures.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from cbverify import report
+from cbverify.engines import ENGINE_NAMES, NotApplicable, get_engine
+from cbverify.tolerances import FP32
+from cbverify.zoo import architectures as zoo
+from cbverify.zoo.findings import architecture_finding
+from reference.spec import RolloutRequest, SamplingParams
+
+ENGINE_OPTIONS: dict[str, dict] = {
+    # small blocks and chunks: windows, prefill chunks and decode cross block boundaries
+    "cb_impl": {"block_size": 4, "num_blocks": 64, "max_batch_tokens": 8},
+    "transformers-cb": {"page_size": 16, "max_batch_tokens": 64},
+}
+PROMPTS = ((1, 19, 4, 13, 7, 15, 9, 16, 18, 21, 20, 17), (1, 5, 14))
+
+
+def zoo_requests() -> list[RolloutRequest]:
+    """Greedy and sampled requests: three 14-token ones on one 12-token prompt (no EOS: they run past any window;
+    the two sampled ones form a GRPO group), and two short ones that may stop on EOS."""
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=14)
+    sampled = SamplingParams(temperature=1.0, top_k=10, top_p=0.95, max_new_tokens=14)
+    cool = SamplingParams(temperature=0.7, max_new_tokens=8)
+    long, short = PROMPTS
+    return [
+        RolloutRequest("long-greedy", long, greedy, seed=0, eos_token_ids=()),
+        RolloutRequest("long-sampled-0", long, sampled, seed=1, eos_token_ids=()),
+        RolloutRequest("long-sampled-1", long, sampled, seed=2, eos_token_ids=()),
+        RolloutRequest("short-greedy", short, SamplingParams(temperature=0.0, max_new_tokens=8), eos_token_ids=(2,)),
+        RolloutRequest("short-sampled", short, cool, seed=3, eos_token_ids=(2,)),
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    """One (architecture, engine) verdict: ``status`` as in the module docstring, ``detail`` one line."""
+
+    arch: str
+    engine: str
+    status: str
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "PASS" or self.status.startswith(("N/A", "XFAIL"))
+
+
+def judge(arch: str, engine: str, row: report.EngineRow) -> Cell:
+    """An ``EngineRow`` -> a :class:`Cell`, registered architecture findings applied."""
+    detail = " ".join(" | ".join(row.problems).split())[:300]
+    finding = architecture_finding(engine, arch)
+    if row.status == "N/A":
+        return Cell(arch, engine, "N/A", detail)
+    if row.status == "PASS":
+        return Cell(arch, engine, f"FIXED?({finding.id})" if finding else "PASS", "")
+    return Cell(arch, engine, f"XFAIL({finding.id})" if finding else "FAIL", detail)
+
+
+class _Replay:
+    """The reference's rollouts replayed through ``evaluate_engine`` (conventions and teacher forcing)."""
+
+    def __init__(self, engine, rollouts) -> None:
+        self.name, self.capabilities, self.rollouts = engine.name, engine.capabilities, rollouts
+
+    def generate(self, requests):
+        return self.rollouts
+
+
+def run_architecture(arch: zoo.Arch | str, directory: Path | str, engines=ENGINE_NAMES) -> list[Cell]:
+    """Build/load ``arch`` under ``directory`` and judge every engine in ``engines`` on :func:`zoo_requests`."""
+    arch = zoo.by_name(arch) if isinstance(arch, str) else arch
+    model, _ = zoo.load(arch, directory)
+    requests = zoo_requests()
+    oracle = get_engine("reference", model)
+    reference = oracle.generate(requests)
+    cells = []
+    for name in engines:
+        if name == "reference":
+            row = report.evaluate_engine(_Replay(oracle, reference), model, requests, reference, FP32)
+        else:
+            try:
+                engine = get_engine(name, model, **ENGINE_OPTIONS.get(name, {}))
+            except NotApplicable as err:
+                cells.append(Cell(arch.name, name, "N/A", err.reason))
+                continue
+            row = report.evaluate_engine(engine, model, requests, reference, FP32, repro=f"zoo {arch.name} {name}")
+        cells.append(judge(arch.name, name, row))
+    return cells
+
+
+def run_matrix(directory: Path | str, archs=zoo.ARCHS, engines=ENGINE_NAMES, progress: bool = False) -> list[Cell]:
+    """:func:`run_architecture` for each of ``archs``, in order (one line per architecture when ``progress``)."""
+    cells = []
+    for arch in archs:
+        start = time.perf_counter()
+        new = run_architecture(arch, directory, engines)
+        cells += new
+        if progress:
+            print(f"{arch.name}: {time.perf_counter() - start:.1f}s " + " ".join(c.status for c in new), flush=True)
+    return cells
+
+
+def _short(cell: Cell) -> str:
+    if cell.status == "N/A":
+        return "N/A: " + re.sub(r"^\S+ is not supported by cb_impl: ", "", cell.detail).replace("|", "/")
+    return cell.status
+
+
+HEADER = (
+    "Generated by `cbverify zoo --markdown docs/coverage.md` (do not edit): the tiny random checkpoints of "
+    "`cbverify.zoo`, float32 on CPU, each engine judged against the reference oracle by `cbverify.zoo.matrix`. "
+    "N/A: the engine refuses the model up front, with its reason; XFAIL(id): a registered upstream finding "
+    "(`cbverify.zoo.findings.ARCHITECTURE_FINDINGS`)."
+)
+
+
+def render_markdown(cells: list[Cell], engines=ENGINE_NAMES) -> str:
+    """The coverage table: architecture x engine (PASS / N/A reason / XFAIL(finding)), features, versions."""
+    env = report.environment("cpu", "float32", "cbverify.zoo", FP32)
+    env = {k: v for k, v in env.items() if k not in ("model", "device", "dtype", "tier")}
+    by = {(c.arch, c.engine): c for c in cells}
+    archs = list(dict.fromkeys(c.arch for c in cells))
+    lines = ["# Architecture coverage", "", HEADER, "", " · ".join(f"**{k}** {v}" for k, v in env.items()), ""]
+    lines += ["| architecture | features | " + " | ".join(engines) + " |", "|---|---|" + "---|" * len(engines)]
+    for name in archs:
+        features = ", ".join(zoo.by_name(name).features)
+        lines.append(f"| {name} | {features} | " + " | ".join(_short(by[name, e]) for e in engines) + " |")
+    return "\n".join(lines) + "\n"
