@@ -76,11 +76,14 @@ def generation_config(
 
 
 def cache_bytes(cache) -> int | None:
-    """Bytes of a returned ``Cache``'s key/value tensors (``None`` when the cache's layout is unknown)."""
+    """Bytes of a returned ``Cache``'s tensors on every layer (keys and values; a state-space or convolution layer's
+    state under whatever names it keeps them); ``None`` when the cache's layout is unknown."""
     layers = getattr(cache, "layers", None)
     if layers is None:
         return None
-    return sum(t.nbytes for layer in layers for t in (layer.keys, layer.values) if isinstance(t, torch.Tensor))
+    return sum(
+        t.nbytes for layer in layers for t in getattr(layer, "__dict__", {}).values() if isinstance(t, torch.Tensor)
+    )
 
 
 class FirstCall(LogitsProcessor):

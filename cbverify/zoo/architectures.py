@@ -22,6 +22,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from reference.models import MODELS_DIR
+
 SEED = 1234
 WINDOW = 5  # sliding-window size of every windowed entry (tokens, the query's own included)
 # std multiplier of the redrawn weights: 1.0 keeps activations O(1) through every layer. Measured at 1.5: the fp32
@@ -29,7 +31,7 @@ WINDOW = 5  # sliding-window size of every windowed entry (tokens, the query's o
 # run in float64, so noise, not a bug), past the fp32 tier's 5e-5; at 1.0 both stay below 4.4e-6, and dropping the
 # window, the softcap or the sinks in cb_impl still moves tokens within the first few positions.
 GAIN = 1.0
-TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "golden" / "models" / "tiny-llama-arith"
+TOKENIZER_DIR = MODELS_DIR / "tiny-llama-arith"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 SPECIAL = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
