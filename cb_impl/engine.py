@@ -50,7 +50,7 @@ class LLMEngine:
         self._next_seq_id = 0
         self._live: dict[str, Sequence] = {}
         names = ("num_steps", "num_requests", "num_forward_tokens", "num_prefill_tokens", "num_decode_tokens",
-                 "num_generated_tokens", "num_failed_requests")  # fmt: skip
+                 "num_generated_tokens", "num_failed_requests", "num_partial_prefills")  # fmt: skip
         self._counters = dict.fromkeys(names, 0)
         self._timers = {"schedule_s": 0.0, "model_s": 0.0, "sample_s": 0.0}
 
@@ -107,6 +107,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         t1 = time.perf_counter()
+        partial = sum(seq.num_computed_tokens + n < seq.num_tokens for seq, n in batch.chunks)  # chunked prefills
+        self._counters["num_partial_prefills"] += partial
         try:
             with self.runner.attached():
                 logits = self.runner.run(batch)  # (R, V)
@@ -170,7 +172,8 @@ class LLMEngine:
 
     @property
     def stats(self) -> dict[str, float | int]:
-        """Counters since construction: steps, tokens, preemptions, sharing, attention padding, KV-cache size."""
+        """Counters since construction: steps, tokens, chunked (partial) prefills, preemptions, sharing, attention
+        padding, KV-cache size."""
         r = self.runner
         return {
             **self._counters,

@@ -39,6 +39,7 @@ class EngineRow:
     completion_tokens: int = 0
     problems: list[str] = field(default_factory=list)
     divergences: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the run exercised (e.g. preemptions): facts, not verdicts
 
     @property
     def tokens_per_s(self) -> float:
@@ -149,6 +150,7 @@ def render_text(env: dict[str, str], rows: Sequence[EngineRow], *, color: bool) 
         out.append("  ".join(cells).rstrip())
     for row in rows:
         out += [f"\n[{row.engine}] {item}" for item in row.problems]
+        out += [f"\n[{row.engine}] note: {item}" for item in row.notes]
         out += [f"\n{item}" for item in row.divergences]  # Divergence.describe() names the engine itself
     return "\n".join(out)
 
@@ -157,7 +159,7 @@ def render_markdown(env: dict[str, str], rows: Sequence[EngineRow]) -> str:
     head = " · ".join(f"**{k}** {v}" for k, v in env.items())
     lines = [head, "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
-    details = [f"- `{r.engine}`: {item}" for r in rows for item in r.problems + r.divergences]
+    details = [f"- `{r.engine}`: {item}" for r in rows for item in r.problems + r.notes + r.divergences]
     return "\n".join(lines + ([""] + details if details else [])) + "\n"
 
 

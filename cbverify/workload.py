@@ -1,9 +1,13 @@
-"""What ``cbverify verify`` asks every engine: prompts as token ids, each once greedy and as a group of samples.
+"""What ``cbverify verify`` asks every engine: a GRPO-shaped workload, drawn deterministically from ``--seed``.
 
 Prompts: the user's file (:mod:`cbverify.prompts`), else the bundled arithmetic problems for a checkpoint with the
 arithmetic task's tokenizer, else the built-in natural-language set (conversations included where the tokenizer has a
-chat template). Sampling: the GRPO recipe's (:mod:`cbverify.grpo_config`, its ``num_generations`` as the group size)
-or the default T=1, top-k 10, top-p 0.95, one sample per prompt. Every request carries the checkpoint's EOS ids.
+chat template). Per prompt: one greedy request and a GRPO group of ``group_size`` samples sharing the prompt, each
+member with its own seed. Sampling: the GRPO recipe's for every group (:mod:`cbverify.grpo_config`, its
+``num_generations`` as the group size), else :data:`SPREAD`, rotated over the prompts, so temperatures below and
+above 1 and each processor (top-k, top-p, min-p) alone and combined are all exercised. Every third prompt gets a
+quarter of the completion budget, so some requests stop on EOS and others hit ``max_new_tokens``. Every request
+carries all of the checkpoint's EOS ids (TRL stops on any of them).
 """
 
 from __future__ import annotations
@@ -15,15 +19,28 @@ from cbverify.prompts import Prompt, builtin_prompts, load_prompts, token_ids
 from reference import tasks
 from reference.spec import RolloutRequest, SamplingParams
 
-DEFAULT_SAMPLING = SamplingParams(temperature=1.0, top_k=10, top_p=0.95)
+SPREAD = (
+    SamplingParams(temperature=1.0, top_k=10, top_p=0.95),
+    SamplingParams(temperature=0.6),
+    SamplingParams(temperature=1.4, top_k=10),
+    SamplingParams(temperature=1.0, top_p=0.8),
+    SamplingParams(temperature=0.6, min_p=0.1),
+    SamplingParams(temperature=1.4, top_k=20, top_p=0.9, min_p=0.05),
+)
+DEFAULT_GROUP_SIZE = 4
 
 
 @dataclass(frozen=True, slots=True)
 class Workload:
     requests: tuple[RolloutRequest, ...]
     prompt_source: str  # "arithmetic", "built-in" or the file's path
-    sampled: SamplingParams
+    samplings: tuple[SamplingParams, ...]  # the distinct sampled configurations used
     group_size: int
+    num_prompts: int
+
+    @property
+    def longest_prompt(self) -> int:
+        return max(len(r.prompt_ids) for r in self.requests)
 
 
 def prompt_token_ids(ckpt: Checkpoint, prompts_file: str | None, num_prompts: int, seed: int) -> tuple[list, str]:
@@ -54,12 +71,12 @@ def build_workload(
     num_prompts: int,
     seed: int,
     max_new_tokens: int,
-    sampled: SamplingParams = DEFAULT_SAMPLING,
-    group_size: int = 1,
+    sampled: SamplingParams | None = None,
+    group_size: int = DEFAULT_GROUP_SIZE,
     eos_token_ids: tuple[int, ...] | None = None,
 ) -> Workload:
-    """Per prompt: one greedy request and ``group_size`` sampled ones with distinct seeds. ``ValueError`` before any
-    model work when a prompt plus ``max_new_tokens`` exceeds the checkpoint's context."""
+    """The requests (see the module docstring); ``sampled`` (a recipe's sampling) replaces :data:`SPREAD`.
+    ``ValueError`` before any model work when a prompt plus its budget exceeds the checkpoint's context."""
     ids_list, source = prompt_token_ids(ckpt, prompts_file, num_prompts, seed)
     if ckpt.context_length is not None:
         for i, ids in enumerate(ids_list):
@@ -67,13 +84,16 @@ def build_workload(
                 raise ValueError(f"prompt {i} ({source}) has {len(ids)} tokens; with --max-new-tokens "
                                  f"{max_new_tokens} it exceeds the context of {ckpt.context_length}")  # fmt: skip
     eos = ckpt.eos_token_ids if eos_token_ids is None else eos_token_ids
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
-    sampled = SamplingParams(sampled.temperature, sampled.top_k, sampled.top_p, sampled.min_p, max_new_tokens)
-    requests = []
+    spread = (sampled,) if sampled is not None else SPREAD
+    requests, used = [], []
     for i, ids in enumerate(ids_list):
+        budget = max(1, max_new_tokens // 4) if i % 3 == 2 else max_new_tokens
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=budget)
         requests.append(RolloutRequest(f"q{i}-greedy", ids, greedy, seed=seed * 1000 + i, eos_token_ids=eos))
+        s = spread[(i + seed) % len(spread)]
+        s = SamplingParams(s.temperature, s.top_k, s.top_p, s.min_p, budget)
+        used += [s] if s not in used else []
         for g in range(group_size):
-            rid = f"q{i}-sampled" if group_size == 1 else f"q{i}-sampled{g}"
-            member_seed = seed * 1000 + i + g * 1_000_003  # member 0 keeps the single-sample seed
-            requests.append(RolloutRequest(rid, ids, sampled, seed=member_seed, eos_token_ids=eos))
-    return Workload(tuple(requests), source, sampled, group_size)
+            member_seed = seed * 1000 + i + g * 1_000_003  # distinct per member, reproducible from --seed
+            requests.append(RolloutRequest(f"q{i}-g{g}", ids, s, seed=member_seed, eos_token_ids=eos))
+    return Workload(tuple(requests), source, tuple(used), group_size, len(ids_list))

@@ -10,6 +10,17 @@ Every class follows the Engine protocol and claims the reference's capabilities 
 - :class:`IgnoresTopK` — an own-RNG sampler that silently drops the per-request top-k (what transformers CB does
   to a per-request kwarg whose processor was not built at init, if the kwarg check is bypassed).
 
+Faults that only one dimension of ``cbverify verify``'s workload exposes (each is invisible to the others):
+
+- :class:`IgnoresTemperature` — samples at T=1 whatever the request asks (invisible at T=1).
+- :class:`IgnoresMinP` — drops min-p (invisible where min-p is 0).
+- :class:`GroupSharesSeed` — every member of a GRPO group (same prompt, consecutive) gets the first member's seed.
+- :class:`OnlyFirstEos` — stops on the first EOS id only (invisible with one EOS id).
+- :class:`OverrunsLimit` — a request that reaches ``max_new_tokens`` gets one token more (invisible when every
+  completion stops on EOS first).
+- :class:`PreemptionKeepsComputed` — cb_impl whose preemption forgets to reset the computed-token count, so the
+  recomputation skips the KV it freed (invisible unless the cache is too small and requests are preempted).
+
 :class:`OwnRNG` is the control: the reference with fresh random seeds, a *correct* own-RNG engine.
 """
 
@@ -123,3 +134,56 @@ class OwnRNG(_Faulty):
 class IgnoresTopK(OwnRNG):
     def generate(self, requests):
         return super().generate([replace(r, sampling=replace(r.sampling, top_k=0)) for r in requests])
+
+
+class IgnoresTemperature(_Faulty):
+    def generate(self, requests):
+        fix = [replace(r, sampling=replace(r.sampling, temperature=1.0)) if not r.sampling.greedy else r
+               for r in requests]  # fmt: skip
+        return [replace(out, request_id=r.request_id) for r, out in zip(requests, super().generate(fix), strict=True)]
+
+
+class IgnoresMinP(_Faulty):
+    def generate(self, requests):
+        return super().generate([replace(r, sampling=replace(r.sampling, min_p=0.0)) for r in requests])
+
+
+class GroupSharesSeed(_Faulty):
+    def generate(self, requests):
+        seeds, out = {}, []
+        for r in requests:
+            key = (r.prompt_ids, r.sampling)
+            seeds.setdefault(key, r.seed)
+            out.append(replace(r, seed=seeds[key]))
+        return super().generate(out)
+
+
+class OnlyFirstEos(_Faulty):
+    def generate(self, requests):
+        return super().generate([replace(r, eos_token_ids=r.eos_token_ids[:1]) for r in requests])
+
+
+class OverrunsLimit(_Faulty):
+    def generate(self, requests):
+        longer = [replace(r, sampling=replace(r.sampling, max_new_tokens=r.sampling.max_new_tokens + 1))
+                  for r in requests]  # fmt: skip
+        return super().generate(longer)
+
+
+class PreemptionKeepsComputed:
+    """cb_impl with one bug in the scheduler's recompute preemption (see the module docstring)."""
+
+    def __new__(cls, model, **options):
+        from cbverify.engines.cb_impl_engine import CbImplEngine
+
+        engine = CbImplEngine(model, **options)
+        scheduler = engine.engine.scheduler
+        preempt = scheduler.preempt
+
+        def buggy_preempt(seq) -> None:
+            computed = seq.num_computed_tokens
+            preempt(seq)
+            seq.num_computed_tokens = computed  # the bug: the freed KV is never recomputed
+
+        scheduler.preempt = buggy_preempt
+        return engine

@@ -4,11 +4,14 @@ engine swapped for a faulty adapter turns its row FAIL and the exit code non-zer
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
 from cbverify import engines as engines_module
 from cbverify.cli import main
+from reference import tasks
+from reference.models import MODELS_DIR
 
 
 def _argv(tmp_path, *extra: str) -> list[str]:
@@ -22,7 +25,17 @@ def test_verify_passes_every_engine_on_the_bundled_model_and_writes_both_reports
     for field in ("torch=", "transformers=", "trl=", "device=cpu", "dtype=float32"):
         assert field in out
     report = json.loads((tmp_path / "r.json").read_text())
-    assert [row["engine"] for row in report["engines"]] == ["reference", "cb_impl", "hf-generate", "transformers-cb"]
+    expected = [
+        "reference",
+        "cb_impl",
+        "cb_impl[pressure]",
+        "hf-generate",
+        "transformers-cb",
+        "transformers-cb[pressure]",
+    ]
+    assert [row["engine"] for row in report["engines"]] == expected
+    pressured = next(row for row in report["engines"] if row["engine"] == "cb_impl[pressure]")
+    assert any("preemptions" in note and "chunked prefills" in note for note in pressured["notes"]), pressured
     assert all(row["status"] == "PASS" for row in report["engines"])
     assert "| reference | PASS |" in (tmp_path / "r.md").read_text()
     assert "\033[" not in out, "colour codes must only be written to a terminal"
@@ -33,4 +46,43 @@ def test_verify_exits_non_zero_when_an_engine_is_faulty(tmp_path, monkeypatch, f
     monkeypatch.setitem(engines_module.ENGINE_MODULES, "cb_impl", ("property_tests.faulty", fault))
     assert main(_argv(tmp_path, "--engines", "cb_impl", "--dist-samples", "0")) == 1
     rows = json.loads((tmp_path / "r.json").read_text())["engines"]
-    assert [r["status"] for r in rows] == ["FAIL"], rows
+    assert [r["status"] for r in rows] == ["FAIL", "FAIL"], rows  # the engine, and again under memory pressure
+
+
+def _verdicts(tmp_path, fault: str, monkeypatch, *extra: str) -> dict[str, str]:
+    monkeypatch.setitem(engines_module.ENGINE_MODULES, "cb_impl", ("property_tests.faulty", fault))
+    main(["verify", "--engines", "cb_impl", "--num-prompts", "3", "--max-new-tokens", "32", "--dist-samples", "0",
+          "--json", str(tmp_path / "r.json"), *extra])  # fmt: skip
+    return {r["engine"]: r["status"] for r in json.loads((tmp_path / "r.json").read_text())["engines"]}
+
+
+@pytest.mark.parametrize(
+    ("fault", "options"),
+    [("IgnoresTemperature", ["--no-pressure"]), ("IgnoresMinP", ["--no-pressure", "--seed", "4"]),
+     ("OverrunsLimit", ["--no-pressure"]), ("GroupSharesSeed", ["--no-pressure"])],
+)  # fmt: skip
+def test_each_workload_dimension_catches_the_fault_only_it_exposes(tmp_path, monkeypatch, fault, options):
+    """Temperatures away from 1, min-p (``--seed 4`` rotates the sampling spread onto it), completion budgets that are
+    hit, GRPO groups of distinct seeds: each turns the row FAIL."""
+    assert set(_verdicts(tmp_path, fault, monkeypatch, *options).values()) == {"FAIL"}
+
+
+def test_without_groups_an_engine_that_shares_a_groups_seed_goes_unseen(tmp_path, monkeypatch):
+    """The control for the group dimension: one sample per prompt cannot tell the seeds apart."""
+    assert _verdicts(tmp_path, "GroupSharesSeed", monkeypatch, "--no-pressure", "--group-size", "1") == {
+        "faulty:GroupSharesSeed": "PASS"}  # fmt: skip
+
+
+def test_several_eos_ids_catch_an_engine_that_stops_on_the_first_only(tmp_path, monkeypatch):
+    two_eos = tmp_path / "two-eos"
+    shutil.copytree(MODELS_DIR / "tiny-llama-arith", two_eos)
+    newline = tasks.VOCAB["\n"]  # every reasoning line ends with it: a second EOS that fires early
+    (two_eos / "generation_config.json").write_text(json.dumps({"eos_token_id": [tasks.EOS_ID, newline]}))
+    verdicts = _verdicts(tmp_path, "OnlyFirstEos", monkeypatch, "--no-pressure", "--model", str(two_eos))
+    assert set(verdicts.values()) == {"FAIL"}
+    assert set(_verdicts(tmp_path, "OnlyFirstEos", monkeypatch, "--no-pressure").values()) == {"PASS"}
+
+
+def test_memory_pressure_catches_a_preemption_bug_the_roomy_cache_never_triggers(tmp_path, monkeypatch):
+    verdicts = _verdicts(tmp_path, "PreemptionKeepsComputed", monkeypatch)
+    assert verdicts == {"cb_impl": "PASS", "cb_impl[pressure]": "FAIL"}, verdicts

@@ -27,7 +27,7 @@ from cbverify.engines import ENGINE_NAMES, NotApplicable, get_engine
 from cbverify.grpo_config import RolloutConfig, load_rollout_config
 from cbverify.prompts import load_prompts
 from cbverify.tolerances import tier_for
-from cbverify.workload import DEFAULT_SAMPLING, Workload, build_workload
+from cbverify.workload import DEFAULT_GROUP_SIZE, Workload, build_workload
 from reference.models import DEFAULT_MODEL
 from reference.spec import Rollout
 
@@ -54,7 +54,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grpo-config", default=None,
                         help="TRL recipe YAML (as `trl grpo --config` reads it) or JSON of GRPOConfig fields: verify "
                         "the sampling config and group size TRL would generate with")  # fmt: skip
-    parser.add_argument("--num-prompts", type=int, default=8, help="prompts to use (each run greedy and sampled)")
+    parser.add_argument("--num-prompts", type=int, default=8,
+                        help="prompts to use (each asked greedy and as a group of samples)")  # fmt: skip
+    parser.add_argument("--group-size", type=int, default=None,
+                        help=f"samples per prompt, each with its own seed (default: the recipe's num_generations, "
+                        f"else {DEFAULT_GROUP_SIZE})")  # fmt: skip
+    parser.add_argument("--no-pressure", action="store_true",
+                        help="skip the CB engines' second run with a KV cache too small for the workload and a "
+                        "token budget below the longest prompt (preemption / eviction, chunked prefill)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompt set and of the sampling seeds")
     parser.add_argument(
         "--max-new-tokens",
@@ -88,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     ckpt, model, workload, rollout_config, tier = plan
     requests = list(workload.requests)
-    sampled = requests[1]
+    sampled = requests[1]  # the first prompt's first group member
     short = replace(sampled.sampling, max_new_tokens=4)  # a few positions suffice; the nodes thin out fast
     dist = [replace(sampled, request_id="dist", sampling=short)] if args.dist_samples else []
     repro = f"cbverify verify --model {args.model} --dtype {args.dtype} --device {args.device} " \
@@ -118,6 +125,11 @@ def run(args: argparse.Namespace) -> int:
             else:
                 row = _evaluate(name, model, requests, reference, tier, repro, dist, args.dist_samples)
             rows.append(row)
+            if name in PRESSURE_ENGINES and not args.no_pressure:
+                options, why = pressure_options(name, workload)
+                row = _evaluate(name, model, requests, reference, tier, repro, (), 0, options)
+                row.engine, row.notes = f"{name}[pressure]", [why, *row.notes]
+                rows.append(row)
     env = report.environment(args.device, args.dtype, str(args.model), tier)
     env |= _workload_summary(ckpt, workload, rollout_config)
     color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
@@ -132,8 +144,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _prepare(args: argparse.Namespace):
     """Everything that can be checked before model work, then the checkpoint and the workload."""
-    if args.num_prompts < 1 or (args.max_new_tokens is not None and args.max_new_tokens < 1) or args.dist_samples < 0:
-        raise ValueError("--num-prompts and --max-new-tokens must be >= 1, --dist-samples >= 0")
+    if min(args.num_prompts, args.max_new_tokens or 1, args.group_size or 1) < 1 or args.dist_samples < 0:
+        raise ValueError("--num-prompts, --group-size and --max-new-tokens must be >= 1, --dist-samples >= 0")
     if args.dist_samples and args.dist_samples < 50:
         raise ValueError("--dist-samples must be 0 (skip) or >= 50 (the distribution test's minimum node size)")
     if args.threads is not None and args.threads < 1:
@@ -145,8 +157,8 @@ def _prepare(args: argparse.Namespace):
     max_new = args.max_new_tokens or (rollout_config.sampling.max_new_tokens if rollout_config else 64)
     workload = build_workload(
         ckpt, prompts_file=args.prompts, num_prompts=args.num_prompts, seed=args.seed, max_new_tokens=max_new,
-        sampled=rollout_config.sampling if rollout_config else DEFAULT_SAMPLING,
-        group_size=rollout_config.num_generations if rollout_config else 1,
+        sampled=rollout_config.sampling if rollout_config else None,
+        group_size=args.group_size or (rollout_config.num_generations if rollout_config else DEFAULT_GROUP_SIZE),
         eos_token_ids=rollout_config.eos_token_ids if rollout_config else None,
     )  # fmt: skip
     torch.manual_seed(args.seed)
@@ -157,24 +169,55 @@ def _prepare(args: argparse.Namespace):
     return ckpt, model, workload, rollout_config, tier_for(args.dtype)
 
 
-def _evaluate(name, model, requests, reference, tier, repro, dist, dist_samples) -> report.EngineRow:
+def _evaluate(name, model, requests, reference, tier, repro, dist, dist_samples, options=None) -> report.EngineRow:
     """One engine's row; building it is part of the verdict (a refusal is N/A, any other failure a FAIL)."""
     try:
-        engine = get_engine(name, model, **DEFAULT_ENGINE_OPTIONS.get(name, {}))
+        engine = get_engine(name, model, **(options or DEFAULT_ENGINE_OPTIONS.get(name, {})))
     except NotApplicable as err:
         return report.EngineRow(name, status="N/A", problems=[err.reason])
     except Exception as err:  # a construction failure is this engine's FAIL, never a traceback out of the command
         return report.EngineRow(name, problems=[f"construction failed: {type(err).__name__}: {err}"])
-    return report.evaluate_engine(engine, model, requests, reference, tier, repro=repro, dist_requests=dist,
-                                  dist_samples=dist_samples)  # fmt: skip
+    row = report.evaluate_engine(engine, model, requests, reference, tier, repro=repro, dist_requests=dist,
+                                 dist_samples=dist_samples)  # fmt: skip
+    stats = (getattr(engine, "last_run", None) and engine.last_run.extra.get("stats")) or {}
+    if stats:
+        row.notes.append(", ".join(f"{stats.get(k, 0)} {label}" for k, label in CB_IMPL_EVENTS.items()))
+    return row
+
+
+PRESSURE_ENGINES = ("cb_impl", "transformers-cb")
+CB_IMPL_EVENTS = {
+    "num_partial_prefills": "chunked prefills",
+    "num_preemptions": "preemptions",
+    "num_shared_prefills": "shared-prompt prefills",
+    "num_cow_copies": "copy-on-write block copies",
+}
+
+
+def pressure_options(name: str, workload: Workload) -> tuple[dict, str]:
+    """The CB engine's options for a second run under pressure: KV blocks for the longest request alone (so the
+    rest are preempted / evicted and recomputed) and a per-step token budget of half the longest prompt (so every
+    long prompt is prefilled in chunks); and the sentence saying so."""
+    block = 16
+    longest = max(len(r.prompt_ids) + r.sampling.max_new_tokens for r in workload.requests)
+    needed = sum(-(-(len(r.prompt_ids) + r.sampling.max_new_tokens) // block) for r in workload.requests)
+    blocks, budget = -(-longest // block) + 1, max(2, workload.longest_prompt // 2)
+    options = {"cb_impl": {"block_size": block}, "transformers-cb": {"page_size": block}}[name]
+    options |= {"num_blocks": blocks, "max_batch_tokens": budget}
+    why = (f"pressure: {blocks} KV blocks of {block} for a workload that needs up to {needed}; {budget} tokens per "
+           f"step, longest prompt {workload.longest_prompt}")  # fmt: skip
+    return options, why
 
 
 def _workload_summary(ckpt: Checkpoint, workload: Workload, config: RolloutConfig | None) -> dict[str, str]:
     """What was asked, in the report's header: prompts, sampling, EOS, and every option no engine was given."""
-    s = workload.sampled
+    samplings = sorted(
+        {f"T={s.temperature:g}/k={s.top_k}/p={s.top_p:g}/min_p={s.min_p:g}" for s in workload.samplings}
+    )
+    groups = f"each greedy + a group of {workload.group_size}"
     out = {
-        "prompts": f"{len(workload.requests) // (workload.group_size + 1)} ({workload.prompt_source})",
-        "sampled": f"T={s.temperature:g} top_k={s.top_k} top_p={s.top_p:g} min_p={s.min_p:g} x{workload.group_size}",
+        "prompts": f"{workload.num_prompts} ({workload.prompt_source}), {groups}",
+        "sampled": ", ".join(samplings),
         "eos_token_ids": str(list(workload.requests[0].eos_token_ids)),
     }
     if config is not None:
