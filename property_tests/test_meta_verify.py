@@ -41,12 +41,51 @@ def test_verify_passes_every_engine_on_the_bundled_model_and_writes_both_reports
     assert "\033[" not in out, "colour codes must only be written to a terminal"
 
 
-@pytest.mark.parametrize("fault", ["ShiftedLogprobs", "DroppedLastToken", "CompletionOrder"])
+@pytest.mark.parametrize("fault", ["ShiftedLogprobs", "SharedRNG", "DroppedLastToken", "TopKAfterTopP",
+                                   "CompletionOrder", "IgnoresTopK"])  # fmt: skip
 def test_verify_exits_non_zero_when_an_engine_is_faulty(tmp_path, monkeypatch, fault):
-    monkeypatch.setitem(engines_module.ENGINE_MODULES, "cb_impl", ("property_tests.faulty", fault))
-    assert main(_argv(tmp_path, "--engines", "cb_impl", "--dist-samples", "0")) == 1
+    """Every faulty adapter of the pytest meta-tests is caught by the command too (own-RNG ones by its distribution
+    test), on the random Qwen2, whose flatter distributions let a wrong seed or processor show in a few tokens;
+    ``--seed 5`` puts the spread's combined top-k + top-p + min-p sampling on the first prompt."""
+    monkeypatch.setitem(engines_module.ENGINE_MODULES, "hf-generate", ("property_tests.faulty", fault))
+    assert (
+        main(
+            _argv(
+                tmp_path,
+                "--engines",
+                "hf-generate",
+                "--model",
+                "tiny-qwen2-random",
+                "--num-prompts",
+                "2",
+                "--seed",
+                "5",
+            )
+        )
+        == 1
+    )
     rows = json.loads((tmp_path / "r.json").read_text())["engines"]
-    assert [r["status"] for r in rows] == ["FAIL", "FAIL"], rows  # the engine, and again under memory pressure
+    assert [r["status"] for r in rows] == ["FAIL"], rows
+
+
+def test_verify_passes_a_correct_own_rng_engine(tmp_path, monkeypatch):
+    monkeypatch.setitem(engines_module.ENGINE_MODULES, "hf-generate", ("property_tests.faulty", "OwnRNG"))
+    assert (
+        main(
+            _argv(
+                tmp_path,
+                "--engines",
+                "hf-generate",
+                "--model",
+                "tiny-qwen2-random",
+                "--num-prompts",
+                "2",
+                "--seed",
+                "5",
+            )
+        )
+        == 0
+    )
 
 
 def _verdicts(tmp_path, fault: str, monkeypatch, *extra: str) -> dict[str, str]:
