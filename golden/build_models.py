@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
         "--target-sampled-accuracy", type=float, default=0.3,
         help="stop once temperature-1 sampled accuracy on held-out problems reaches this (and greedy EOS >= 95%%)",
     )  # fmt: skip
-    parser.add_argument("--chat-steps", type=int, default=600, help="training steps of tiny-qwen3-chat (fixed)")
+    parser.add_argument("--chat-steps", type=int, default=300, help="training steps of tiny-qwen3-chat (fixed)")
     parser.add_argument("--chat-batch-size", type=int, default=32, help="tiny-qwen3-chat training rows per step")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (fixed for reproducibility)")
     args = parser.parse_args(argv)

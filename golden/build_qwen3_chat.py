@@ -11,7 +11,7 @@ What makes it look like a released Qwen3 checkpoint, at 1/500 000 of the size:
 - a ChatML Jinja chat template in ``tokenizer_config.json``; two EOS ids in ``generation_config.json``
   (``<|im_end|>`` ends a chat turn, ``<|endoftext|>`` a plain document), ``<|im_end|>`` in ``config.json``.
 
-Training data per batch: chat-formatted ``reference.tasks`` problems (2-5 terms; the assistant answers with the gold
+Training data per batch: chat-formatted ``reference.tasks`` problems (2-3 terms; the assistant answers with the gold
 chain, then ``<|im_end|>``), small-talk chats and plain documents ending in ``<|endoftext|>``. Loss on the assistant
 turn (chats) or the whole text (documents). Figures are measured on the saved bfloat16 weights, loaded in float32.
 """
@@ -46,8 +46,8 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-MIN_TERMS, MAX_TERMS = 2, 5
-MAX_DOCUMENT_TOKENS = 96
+MIN_TERMS, MAX_TERMS = 2, 3  # short chains: a few minutes of training give a non-zero accuracy
+MAX_DOCUMENT_TOKENS = 64
 MAX_NEW_TOKENS = 128
 EVAL_SEED = 99
 

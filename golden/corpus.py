@@ -120,18 +120,29 @@ _TALK = (
 _OPENERS = ("Sure.", "Of course!", "Here it is:", "Well,", "Okay.", "Good question.")
 
 
+def _pick(rng: random.Random, words: tuple[str, ...], k: int = 1) -> list[str]:
+    """``k`` distinct words drawn with Zipf weights 1/rank: frequent words are clearly more likely than rare ones, so
+    a trained model's greedy choice among them is not a near-tie (uniform word lists would make genuine ties)."""
+    picked: list[str] = []
+    while len(picked) < k:
+        word = rng.choices(words, weights=[1 / (r + 1) for r in range(len(words))])[0]
+        if word not in picked:
+            picked.append(word)
+    return picked
+
+
 def _slots(rng: random.Random) -> dict[str, str]:
-    adj = rng.sample(ADJECTIVES, 3)
-    name = rng.sample(NAMES, 2)
-    noun = rng.sample(NOUNS, 2)
-    time = rng.choice(TIMES)
-    town = rng.sample(TOWNS, 2)
+    adj = _pick(rng, ADJECTIVES, 3)
+    name = _pick(rng, NAMES, 2)
+    noun = _pick(rng, NOUNS, 2)
+    time = _pick(rng, TIMES)[0]
+    town = _pick(rng, TOWNS, 2)
     return {
-        "family": rng.choice(FAMILIES), "town": town[0], "town2": town[1], "year": str(rng.randint(1890, 2030)),
+        "family": _pick(rng, FAMILIES)[0], "town": town[0], "town2": town[1], "year": str(rng.randint(1890, 2030)),
         "adj": adj[0], "adj2": adj[1], "adj3": adj[2], "adj_cap": adj[0].capitalize(), "name": name[0],
-        "name2": name[1], "noun": noun[0], "noun2": noun[1], "verb": rng.choice(VERBS),
-        "verb_past": rng.choice(VERBS_PAST), "place": rng.choice(PLACES) if rng.random() < 0.7 else town[0],
-        "time": time, "time_lower": time[0].lower() + time[1:], "adverb": rng.choice(ADVERBS),
+        "name2": name[1], "noun": noun[0], "noun2": noun[1], "verb": _pick(rng, VERBS)[0],
+        "verb_past": _pick(rng, VERBS_PAST)[0], "place": _pick(rng, PLACES)[0] if rng.random() < 0.7 else town[0],
+        "time": time, "time_lower": time[0].lower() + time[1:], "adverb": _pick(rng, ADVERBS)[0],
         "num": str(rng.randint(2, 999)), "num_small": str(rng.randint(1, 12)),
     }  # fmt: skip
 
@@ -155,7 +166,7 @@ def document(rng: random.Random) -> str:
 def arithmetic_question(problem: tasks.ArithProblem, rng: random.Random) -> str:
     """The problem as a user message in one of several phrasings (the terms always appear as ``a+b+c``)."""
     expr = "+".join(map(str, problem.terms))
-    return rng.choice(_QUESTIONS).format(expr=expr, name=rng.choice(NAMES))
+    return _pick(rng, _QUESTIONS)[0].format(expr=expr, name=_pick(rng, NAMES)[0])
 
 
 def arithmetic_answer(problem: tasks.ArithProblem) -> str:
