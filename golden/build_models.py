@@ -3,7 +3,7 @@
 - ``tiny-llama-arith``: Llama with grouped-query attention, trained on ``reference.tasks`` (a miniature GSM8K) until
   sampled answers at temperature 1 are right often but not always (so GRPO has reward variance to learn from).
 - ``tiny-qwen2-random``: Qwen2 (q/k/v biases, a different GQA ratio), random weights from a fixed seed, initialised
-  with std 0.15 (not transformers' 0.02) so attention is far from uniform and greedy steps are not near-ties.
+  with std 0.14 (not transformers' 0.02) so attention is far from uniform and greedy steps are not near-ties.
 - ``tiny-qwen3-chat``: Qwen3 with a byte-level BPE tokenizer, a chat template and two EOS ids, trained briefly on chat
   arithmetic and bundled text (``golden.build_qwen3_chat``).
 
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
         help="stop once temperature-1 sampled accuracy on held-out problems reaches this (and greedy EOS >= 95%%)",
     )  # fmt: skip
     parser.add_argument("--chat-steps", type=int, default=300, help="training steps of tiny-qwen3-chat (fixed)")
-    parser.add_argument("--chat-batch-size", type=int, default=32, help="tiny-qwen3-chat training rows per step")
+    parser.add_argument("--chat-batch-size", type=int, default=48, help="tiny-qwen3-chat training rows per step")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (fixed for reproducibility)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
