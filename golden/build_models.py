@@ -2,10 +2,13 @@
 
 - ``tiny-llama-arith``: Llama with grouped-query attention, trained on ``reference.tasks`` (a miniature GSM8K) until
   sampled answers at temperature 1 are right often but not always (so GRPO has reward variance to learn from).
-- ``tiny-qwen2-random``: Qwen2 (q/k/v biases, a different GQA ratio), random weights from a fixed seed.
+- ``tiny-qwen2-random``: Qwen2 (q/k/v biases, a different GQA ratio), random weights from a fixed seed, initialised
+  with std 0.14 (not transformers' 0.02) so attention is far from uniform and greedy steps are not near-ties.
+- ``tiny-qwen3-chat``: Qwen3 with a byte-level BPE tokenizer, a chat template and two EOS ids, trained briefly on chat
+  arithmetic and bundled text (``golden.build_qwen3_chat``).
 
-Both share the character-level tokenizer built here with the ``tokenizers`` library. Each model directory gets a
-README with the build command, seed, parameter count, training time and measured figures.
+The first two share the character-level tokenizer built here with the ``tokenizers`` library. Each model directory
+gets a README with the build command, seed, parameter count, training time and measured figures.
 """
 
 from __future__ import annotations
@@ -28,12 +31,19 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from golden import build_qwen3_chat, model_stats
 from reference import tasks
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
 SEED = 1234
 EVAL_SEED = 99  # held-out problems: a different stream from training's
 MAX_NEW_TOKENS = 128
+# transformers' default 0.02 leaves attention near-uniform (max weight ~1/L): attention bugs average out. 0.15 was
+# tried first: with it, one bf16 sampled golden token falls outside the teacher-forced top-p support (processed
+# log-prob -inf, which a golden record cannot store); 0.13, 0.14, 0.16 record cleanly at 1 and 2 threads, and 0.14
+# has no greedy top-2 gap below 1e-3 on the README prompts (0.16 has 4 of 1247, min 1.4e-4).
+QWEN2_INIT_STD = 0.14
+ALL_MODELS = ("tiny-llama-arith", "tiny-qwen2-random", build_qwen3_chat.NAME)
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -57,12 +67,32 @@ def llama_config() -> LlamaConfig:
     )  # fmt: skip
 
 
-def qwen2_config() -> Qwen2Config:
+def qwen2_config(initializer_range: float = QWEN2_INIT_STD) -> Qwen2Config:
     return Qwen2Config(
         vocab_size=tasks.VOCAB_SIZE, hidden_size=96, intermediate_size=256, num_hidden_layers=3,
         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
         tie_word_embeddings=False, bos_token_id=tasks.BOS_ID, eos_token_id=tasks.EOS_ID, pad_token_id=tasks.PAD_ID,
+        initializer_range=initializer_range,
     )  # fmt: skip
+
+
+def qwen2_figures(model) -> dict:
+    """Attention far from uniform and no greedy near-ties, measured against the same seed at std 0.02 (before)."""
+    problems = tasks.make_problems(32, seed=EVAL_SEED, max_terms=4)
+    sequences = [tasks.prompt_ids(p) + tasks.encode(p.completion) for p in problems[:16]]
+    torch.manual_seed(SEED)
+    before = Qwen2ForCausalLM(qwen2_config(initializer_range=0.02)).eval()
+    gaps = {"eos_token_ids": [tasks.EOS_ID], "max_new_tokens": 64}
+    prompts = [tasks.prompt_ids(p) for p in problems]
+    return {
+        "initializer_range": QWEN2_INIT_STD,
+        "attention_last_position": model_stats.attention_stats(model.eval(), sequences),
+        "attention_last_position_before_at_std_0.02": model_stats.attention_stats(before, sequences),
+        "greedy_top2_gap": model_stats.greedy_gap_stats(model, prompts, **gaps),
+        "greedy_top2_gap_before_at_std_0.02": model_stats.greedy_gap_stats(before, prompts, **gaps),
+        "measured_on": f"attention: 16 held-out prompts + gold chains (make_problems(32, seed={EVAL_SEED}, "
+        "max_terms=4)[:16]), every layer and head; gaps: greedy decoding of all 32 prompts, max 64 new tokens",
+    }
 
 
 def _batch(problems: list[tasks.ArithProblem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -155,35 +185,56 @@ def _readme(name: str, description: str, model, figures: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=MODELS_DIR, help="directory that receives the model folders")
+    parser.add_argument(
+        "--models", nargs="+", choices=ALL_MODELS, default=list(ALL_MODELS),
+        help="which checkpoints to build (default: all; each is independent of the others)",
+    )  # fmt: skip
     parser.add_argument("--max-steps", type=int, default=3000, help="upper bound on Llama training steps")
     parser.add_argument("--batch-size", type=int, default=64, help="training problems per step")
     parser.add_argument(
         "--target-sampled-accuracy", type=float, default=0.3,
         help="stop once temperature-1 sampled accuracy on held-out problems reaches this (and greedy EOS >= 95%%)",
     )  # fmt: skip
+    parser.add_argument("--chat-steps", type=int, default=300, help="training steps of tiny-qwen3-chat (fixed)")
+    parser.add_argument("--chat-batch-size", type=int, default=48, help="tiny-qwen3-chat training rows per step")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (fixed for reproducibility)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
 
-    model, tokenizer, figures = train_llama(
-        max_steps=args.max_steps,
-        batch_size=args.batch_size,
-        target_sampled_accuracy=args.target_sampled_accuracy,
-        log=print,
-    )
-    figures["held_out_problems"] = f"128 (reference.tasks.make_problems(128, seed={EVAL_SEED}))"
-    save(model, tokenizer, args.out / "tiny-llama-arith", _readme(
-        "tiny-llama-arith", "Llama (GQA 4 query / 2 key-value heads) trained on the arithmetic task of "
-        "`reference/tasks.py`. Figures on held-out problems, max 128 new tokens, transformers `generate()`.",
-        model, figures))  # fmt: skip
+    if "tiny-llama-arith" in args.models:
+        model, tokenizer, figures = train_llama(
+            max_steps=args.max_steps,
+            batch_size=args.batch_size,
+            target_sampled_accuracy=args.target_sampled_accuracy,
+            log=print,
+        )
+        figures["held_out_problems"] = f"128 (reference.tasks.make_problems(128, seed={EVAL_SEED}))"
+        save(model, tokenizer, args.out / "tiny-llama-arith", _readme(
+            "tiny-llama-arith", "Llama (GQA 4 query / 2 key-value heads) trained on the arithmetic task of "
+            "`reference/tasks.py`. Figures on held-out problems, max 128 new tokens, transformers `generate()`.",
+            model, figures))  # fmt: skip
+        print(json.dumps(figures, indent=2))
 
-    torch.manual_seed(SEED)
-    qwen = Qwen2ForCausalLM(qwen2_config())
-    save(qwen, tokenizer, args.out / "tiny-qwen2-random", _readme(
-        "tiny-qwen2-random", "Qwen2 (q/k/v biases; GQA 6 query / 2 key-value heads), random weights from "
-        "`torch.manual_seed(SEED)`, the same character tokenizer as tiny-llama-arith.", qwen, {}))  # fmt: skip
-    print(json.dumps(figures, indent=2))
+    if "tiny-qwen2-random" in args.models:
+        torch.manual_seed(SEED)
+        qwen = Qwen2ForCausalLM(qwen2_config())
+        figures = qwen2_figures(qwen)
+        save(qwen, build_tokenizer(), args.out / "tiny-qwen2-random", _readme(
+            "tiny-qwen2-random", "Qwen2 (q/k/v biases; GQA 6 query / 2 key-value heads), random weights from "
+            f"`torch.manual_seed(SEED)` with `initializer_range` {QWEN2_INIT_STD} (transformers' default 0.02 made "
+            "attention near-uniform, so attention bugs barely moved the outputs), the same character tokenizer as "
+            "tiny-llama-arith. Its output distributions stay broad (top token ~0.3 over 32 ids), which the sampling "
+            "tests rely on. Built alone by `python -m golden.build_models --models tiny-qwen2-random`.",
+            qwen, figures))  # fmt: skip
+        print(json.dumps(figures, indent=2))
+
+    if build_qwen3_chat.NAME in args.models:
+        command = (f"python -m golden.build_models --models {build_qwen3_chat.NAME} --chat-steps {args.chat_steps} "
+                   f"--chat-batch-size {args.chat_batch_size} --threads {args.threads}")  # fmt: skip
+        figures = build_qwen3_chat.build(args.out, seed=SEED, steps=args.chat_steps, batch_size=args.chat_batch_size,
+                                         command=command, log=print)  # fmt: skip
+        print(json.dumps(figures, indent=2))
 
 
 if __name__ == "__main__":

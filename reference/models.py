@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "golden" / "models"
-BUNDLED = ("tiny-llama-arith", "tiny-qwen2-random")
+BUNDLED = ("tiny-llama-arith", "tiny-qwen2-random", "tiny-qwen3-chat")
 DEFAULT_MODEL = "tiny-llama-arith"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
