@@ -97,7 +97,7 @@ def test_trained_model_figures_in_its_readme_hold_greedy_ends_with_eos(llama) ->
     assert json.loads(eos_line.split(":", 1)[1]) >= 0.95
 
 
-# tiny-qwen3-chat: a checkpoint shaped like a modern chat model (byte-level BPE, chat template, two EOS ids). The golden
+# tiny-qwen3-chat: a checkpoint shaped like a modern chat model (byte-level BPE, chat template, two EOS ids). Golden
 # cases do not include it: their prompts are the arithmetic task's character ids (``cbverify.golden.cases``).
 CHAT_PATH = MODELS_DIR / "tiny-qwen3-chat"
 CHAT_PROMPTS = [
