@@ -87,38 +87,44 @@ FP32 = Tier(
 )
 
 
-# bf16 / fp16: the noise is a few ulps of the logits' own magnitude, so every bound is in units of
-# ``eps * max(1, M)`` (``Tier.unit``: one spacing of the dtype at the row's largest |logit| M, within a factor 2).
-# Measured on CPU (torch 2.13.0, transformers 5.24.0, 1 thread), per position, in these units
-# (bfloat16; float16 in brackets):
-# - logit noise, the reference's own generation (one forward per prefix) against its teacher forcing (one forward
-#   of the whole sequence), max over every entry of the row: bundled Llama 0.97, random Qwen2 0.50, zoo llama 1.36,
-#   gemma 0.73, qwen3_moe 1.13; <= MEASURED over the whole zoo;
-# - engine log-probs against teacher forcing (after ``logprob_scale``), away from processor cuts: max <= MEASURED
-#   (cb_impl on zoo qwen3_moe 1.58), mean <= MEASURED;
-# - at a processor cut (a near-uniform row where a top-p / top-k cut falls within that noise: random Qwen2 at
-#   top_p 0.95) the two sides renormalise over different kept sets: up to 22 units (0.17 absolute), and a sampled
-#   token just outside the reference's cut gets -inf: those positions are counted, not judged.
-# So: logit noise <= 4 units per entry (3x the largest reference measurement); a decision-score gap is two entries
-# (8 units), as is a processor cut's; log-probs max 6 units, mean 1.
+# bf16 / fp16: the noise is a few ulps of the logits' own magnitude (one bf16 step at |logit| ~ 10 is 0.0625, above
+# any flat bound that would still catch a bug at |logit| ~ 1), so every bound is in *units* of ``eps * max(1, M)``
+# (``Tier.unit``: the dtype's spacing at the row's largest |logit| M, within a factor 2). Measured on CPU (torch
+# 2.13.0, transformers 5.24.0, 1 thread), every engine on the bundled models (``cbverify verify`` workload: 8 prompts,
+# greedy + sampled T=1 top-k 10 top-p 0.95, 64 tokens) and on the whole zoo (``cbverify zoo --dtype``), per position:
+# - logit noise, the reference's own generation (one forward per prefix) against its teacher forcing (one forward of
+#   the whole sequence), max over the row: bundled Llama 0.97, random Qwen2 0.50, zoo llama 1.36, gemma 0.73,
+#   qwen3_moe 1.13 units (bf16);
+# - log-probs (after ``logprob_scale``) against teacher forcing, away from processor cuts: max over all engines and
+#   architectures 4.36 units in bf16 (cb_impl, cohere; the reference itself 2.85, gptj) and 5.41 in fp16
+#   (hf-generate, nemotron); mean per engine and architecture <= 0.54 (bf16) and 0.58 (fp16) units;
+# - at a processor cut (near-uniform rows where the top-p / top-k cut falls within that noise: random Qwen2 at top-p
+#   0.95) the two sides renormalise over different kept sets: up to 22 units (0.17 absolute), and a sampled token
+#   just outside the reference's cut gets -inf (hf-generate): such positions are counted, not judged.
+# So each logit may move by K = 4 units (3x the reference's own 1.36, and what the engines' log-probs imply): a
+# decision-score gap is two entries (``near_tie_gap`` 2K = 8), a processor cut moves by K, and a log-prob (a logit
+# minus a log-sum-exp, each within K) by 2K = 8 units (1.5x the largest measurement); the mean is 1 unit (1.7x).
+# The signal: one bf16 ulp of |logit| ~ 1 is 0.0078, so a shifted, reordered or re-processed log-prob (>= 0.1
+# absolute on the bundled models) is >= 13 units; zoo gemma2's dropped attention softcap (0.095 at |logit| ~ 2.4 in
+# float32) is ~5 units: in bf16 only its mean (1.09 units) crosses a bound; in fp16 41.7 / 7.5 units.
 BF16 = Tier(
     name="bf16",
     token_rule="near_tie_in_noise",
     near_tie_gap=8.0,
-    logprob_max_abs=6.0,
+    logprob_max_abs=8.0,
     logprob_mean_abs=1.0,
     ulp=torch.finfo(torch.bfloat16).eps,
-    reason="bfloat16 keeps 8 significant bits: logits carry ~1 ulp of their magnitude of reduction-order noise "
-    "(measured above); bounds are 3-4x that noise in ulps of each row's logit scale",
+    reason="bfloat16 keeps 8 significant bits: logits carry up to ~2 ulps of their magnitude of reduction-order "
+    "noise (measured above); a logit may move by 4 units, a gap or a log-prob by 8, the mean by 1",
 )
 FP16 = Tier(
     name="fp16",
     token_rule="near_tie_in_noise",
     near_tie_gap=8.0,
-    logprob_max_abs=6.0,
+    logprob_max_abs=8.0,
     logprob_mean_abs=1.0,
     ulp=torch.finfo(torch.float16).eps,
-    reason="float16 keeps 11 significant bits; measured noise in its ulps is that of bfloat16 in its own (above)",
+    reason="float16 keeps 11 significant bits; its noise in its own ulps is that of bfloat16 in its (measured above)",
 )
 
 

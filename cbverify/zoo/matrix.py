@@ -20,13 +20,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from cbverify import report
 from cbverify.engines import ENGINE_NAMES, NotApplicable, get_engine
 from cbverify.tolerances import tier_for
 from cbverify.zoo import architectures as zoo
 from cbverify.zoo.findings import architecture_finding
+from reference.models import load as load_checkpoint
 from reference.spec import RolloutRequest, SamplingParams
 
 ENGINE_OPTIONS: dict[str, dict] = {
@@ -94,8 +93,9 @@ def run_architecture(
     """Build/load ``arch`` under ``directory`` (in ``dtype``) and judge every engine in ``engines`` on
     :func:`zoo_requests` in ``tier_for(dtype)``."""
     arch = zoo.by_name(arch) if isinstance(arch, str) else arch
-    model, _ = zoo.load(arch, directory)  # float32 weights, cast as a bf16 / fp16 load would cast them
-    model = model.to(getattr(torch, dtype))
+    model, _ = zoo.load(arch, directory)  # built there first if absent
+    if dtype != "float32":  # loaded in that dtype as a user would (rotary frequencies stay float32)
+        model, _ = load_checkpoint(Path(directory) / arch.name, dtype=dtype)
     tier = tier_for(dtype)
     requests = zoo_requests()
     oracle = get_engine("reference", model)
