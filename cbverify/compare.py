@@ -15,6 +15,7 @@ declare ``spec_sampling`` (:func:`tokens_comparable`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -107,15 +108,26 @@ def noise_positions(
             cuts.append(torch.zeros(n, dtype=torch.bool))  # (L,)
             continue
         logits = ref_logprobs.completion_logits(model, request.prompt_ids, rollout.completion_ids).cpu()  # (L, V)
-        unit = torch.tensor([tier.unit(float(row.abs().max())) for row in logits], dtype=torch.float64)  # (L,)
+        sampling = request.sampling
+        t = 1.0 if sampling.greedy or semantics == "raw" else sampling.temperature
+        unit = torch.ones(n, dtype=torch.float64)  # (L,)
         cut = torch.zeros(n, dtype=torch.bool)  # (L,)
-        if semantics == "processed":
-            for i, (row, token) in enumerate(zip(logits, rollout.completion_ids, strict=True)):
-                edge = boundary_tokens(row, request.sampling, tier.near_tie_gap / 2 * float(unit[i]))  # (V,)
-                kept = bool(torch.isfinite(process_logits(row, request.sampling)[token]))
-                cut[i] = bool(edge.any()) and (kept or bool(edge[token]))
-        units.append(unit)
+        for i, (row, token) in enumerate(zip(logits, rollout.completion_ids, strict=True)):
+            scale = tier.unit(float(row.abs().max()))
+            processed = process_logits(row, sampling) if semantics == "processed" else torch.log_softmax(row, -1)
+            logp = float(processed[token])
+            # each logit moves by <= d (score units): log p moves by <= log(p + (1 - p) e^(2d)) (-> 2d as p -> 0,
+            # -> 0 as p -> 1), plus one ulp of the log-prob's own value (an engine may round it to the dtype)
+            d = tier.near_tie_gap / 2 * scale / t
+            p_tok = math.exp(logp) if math.isfinite(logp) else 0.0
+            sensitivity = math.log(p_tok + (1 - p_tok) * math.exp(2 * d)) / (2 * d)
+            unit[i] = scale * sensitivity + (tier.ulp * abs(logp) if math.isfinite(logp) else 0.0)
+            unit[i] = max(float(unit[i]), scale * tier.ulp)  # p == 1: second order, one ulp of a unit
+            if semantics == "processed":
+                edge = boundary_tokens(row, sampling, tier.near_tie_gap / 2 * scale)  # (V,)
+                cut[i] = bool(edge.any()) and (math.isfinite(logp) or bool(edge[token]))
         cuts.append(cut)
+        units.append(unit)
     return NoisePositions(units, cuts, tier.logprob_max_abs)
 
 

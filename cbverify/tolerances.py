@@ -67,7 +67,7 @@ class Tier:
 
     def unit(self, max_abs_logit: float) -> float:
         """The size of one unit of this tier's bounds at a position whose largest |logit| is ``max_abs_logit``."""
-        return self.ulp * max(1.0, max_abs_logit) if self.ulp > 0 else 1.0
+        return self.ulp * max(0.25, max_abs_logit) if self.ulp > 0 else 1.0
 
 
 FP32 = Tier(
