@@ -34,9 +34,10 @@ TokenRule = Literal["exact_or_near_tie", "near_tie_in_noise"]
 class Tier:
     """How an engine's rollouts are judged against the oracle at one dtype.
 
-    Bounds are in *units*: 1 when ``ulp == 0`` (absolute, float32), else ``ulp * max(1, M)`` at each position, where
+    Bounds are in *units*: 1 when ``ulp == 0`` (absolute, float32), else ``ulp * max(1/4, M)`` at each position, where
     ``ulp`` is the dtype's spacing at 1 (``torch.finfo(dtype).eps``) and ``M`` the largest |logit| of the reference's
     teacher-forced row there (:meth:`unit`): the spacing of the dtype at the logits' magnitude, within a factor 2.
+    Log-prob bounds are further scaled per token by its sensitivity (``cbverify.compare.noise_positions``).
 
     - ``token_rule``: ``exact_or_near_tie``: tokens must be identical; a divergence is accepted (and reported) only
       where the reference's token scores at most ``near_tie_gap`` above the engine's. ``near_tie_in_noise``: the same,
@@ -88,25 +89,27 @@ FP32 = Tier(
 
 
 # bf16 / fp16: the noise is a few ulps of the logits' own magnitude (one bf16 step at |logit| ~ 10 is 0.0625, above
-# any flat bound that would still catch a bug at |logit| ~ 1), so every bound is in *units* of ``eps * max(1, M)``
-# (``Tier.unit``: the dtype's spacing at the row's largest |logit| M, within a factor 2). Measured on CPU (torch
-# 2.13.0, transformers 5.24.0, 1 thread), every engine on the bundled models (``cbverify verify`` workload: 8 prompts,
-# greedy + sampled T=1 top-k 10 top-p 0.95, 64 tokens) and on the whole zoo (``cbverify zoo --dtype``), per position:
+# any flat bound that would still catch a bug at |logit| ~ 1), so bounds are in *units* of ``eps * max(1/4, M)``
+# (``Tier.unit``: the dtype's spacing at the row's largest |logit| M, within a factor 2; the 1/4 floor keeps the
+# near-uniform rows of a random model, M ~ 0.6, from getting a window wider than their own logit spread). Each logit
+# may move by K = ``near_tie_gap / 2`` units; a log-prob then moves by at most log(p + (1 - p) e^(2K)) (p: the token's
+# processed probability; 2K for an unlikely token, ~0 for a sure one), plus one ulp of its own value: that is one
+# log-prob "unit" per position (``compare.noise_positions``), and ``logprob_max_abs`` = 2K of them is the exact
+# first-order worst case. Measured on CPU (torch 2.13.0, transformers 5.24.0, 1 thread), per position:
 # - logit noise, the reference's own generation (one forward per prefix) against its teacher forcing (one forward of
-#   the whole sequence), max over the row: bundled Llama 0.97, random Qwen2 0.50, zoo llama 1.36, gemma 0.73,
-#   qwen3_moe 1.13 units (bf16);
-# - log-probs (after ``logprob_scale``) against teacher forcing, away from processor cuts: max over all engines and
-#   architectures 4.36 units in bf16 (cb_impl, cohere; the reference itself 2.85, gptj) and 5.41 in fp16
-#   (hf-generate, nemotron); mean per engine and architecture <= 0.54 (bf16) and 0.58 (fp16) units;
-# - at a processor cut (near-uniform rows where the top-p / top-k cut falls within that noise: random Qwen2 at top-p
-#   0.95) the two sides renormalise over different kept sets: up to 22 units (0.17 absolute), and a sampled token
-#   just outside the reference's cut gets -inf (hf-generate): such positions are counted, not judged.
-# So each logit may move by K = 4 units (3x the reference's own 1.36, and what the engines' log-probs imply): a
-# decision-score gap is two entries (``near_tie_gap`` 2K = 8), a processor cut moves by K, and a log-prob (a logit
-# minus a log-sum-exp, each within K) by 2K = 8 units (1.5x the largest measurement); the mean is 1 unit (1.7x).
-# The signal: one bf16 ulp of |logit| ~ 1 is 0.0078, so a shifted, reordered or re-processed log-prob (>= 0.1
-# absolute on the bundled models) is >= 13 units; zoo gemma2's dropped attention softcap (0.095 at |logit| ~ 2.4 in
-# float32) is ~5 units: in bf16 only its mean (1.09 units) crosses a bound; in fp16 41.7 / 7.5 units.
+#   the whole sequence), in eps * max(1, M): bundled Llama 0.97, random Qwen2 0.50, zoo llama 1.36, gemma 0.73,
+#   qwen3_moe 1.13 (bf16);
+# - log-probs against teacher forcing, in these units, every engine on the whole bf16 zoo (``cbverify zoo --dtype
+#   bfloat16``): max 2.62 (cb_impl, gemma3_text; the reference itself 1.83, starcoder2), mean per engine and
+#   architecture <= 0.49; with the former eps * max(1, M) units and no sensitivity: bf16 4.36, fp16 5.41 max;
+# - at a processor cut (near-uniform rows where a top-p / top-k cut falls within that noise: random Qwen2 at top-p
+#   0.95) the two sides renormalise over different kept sets: up to 0.17 absolute, and a sampled token just outside
+#   the reference's cut gets -inf (hf-generate): such positions are counted, not judged.
+# So K = 4 (3x the reference's own 1.36): a decision-score gap is two entries (``near_tie_gap`` 8), a processor cut
+# moves by K, a log-prob by 8 units (3x the largest measurement), their mean by 1 (2x). The signal: the faulty
+# engines of ``property_tests/faulty.py`` (shifted, reordered, re-processed log-probs, a shared RNG) in bf16, caught
+# by ``test_meta_power.py`` / ``test_meta_verify.py``; zoo gemma2's dropped attention softcap (0.095 at |logit| ~ 2.4
+# in float32) is ~5 bf16 units: in bf16 only its mean (1.3 units) crosses a bound.
 BF16 = Tier(
     name="bf16",
     token_rule="near_tie_in_noise",
@@ -114,7 +117,7 @@ BF16 = Tier(
     logprob_max_abs=8.0,
     logprob_mean_abs=1.0,
     ulp=torch.finfo(torch.bfloat16).eps,
-    reason="bfloat16 keeps 8 significant bits: logits carry up to ~2 ulps of their magnitude of reduction-order "
+    reason="bfloat16 keeps 8 significant bits: logits carry up to ~1.4 ulps of their magnitude of reduction-order "
     "noise (measured above); a logit may move by 4 units, a gap or a log-prob by 8, the mean by 1",
 )
 FP16 = Tier(
