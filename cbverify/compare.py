@@ -3,10 +3,10 @@
 - :func:`check_results` — completeness and order (one rollout per request, in request order).
 - :func:`check_conventions` — EOS and length conventions of one rollout.
 - :func:`compare_tokens` — first divergence from the reference's rollout, with near-tie acceptance per the
-  :mod:`cbverify.tolerances` tier and full diagnostics (:class:`Divergence`).
+  :mod:`cbverify.tolerances` tier and full diagnostics (:class:`Divergence`; both live in :mod:`cbverify.divergence`).
 - :func:`teacher_forced_logprobs` / :func:`logprob_diffs` — the engine's returned log-probs against the reference's
   teacher-forced log-probs *of the engine's own tokens* (so RNG engines are checked too), in the semantics the
-  engine declares.
+  engine declares; :func:`noise_positions` + :func:`judge_logprobs` scale them by the tier's unit per position.
 - :func:`mismatch` — Mismatch metrics via ``reference.metrics.mismatch_metrics`` (one source of truth).
 
 Tokens are comparable when both sides follow the spec: greedy requests always, sampled ones only for engines that
@@ -15,17 +15,21 @@ declare ``spec_sampling`` (:func:`tokens_comparable`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from cbverify.divergence import Divergence, boundary_tokens, compare_tokens, decision_scores, first_divergence
 from cbverify.engines import Capabilities, LogprobSemantics
 from cbverify.tolerances import Tier, logprob_scale
 from reference import logprobs as ref_logprobs
 from reference.generate import process_logits
 from reference.metrics import mismatch_metrics
-from reference.spec import Rollout, RolloutRequest, gumbel_noise
+from reference.spec import Rollout, RolloutRequest
+
+__all__ = ["Divergence", "compare_tokens", "decision_scores", "first_divergence"]  # re-exported: one import site
 
 
 def tokens_comparable(capabilities: Capabilities, request: RolloutRequest) -> bool:
@@ -63,94 +67,6 @@ def check_conventions(request: RolloutRequest, rollout: Rollout) -> list[str]:
     return problems
 
 
-@dataclass(frozen=True, slots=True)
-class Divergence:
-    """The first position where an engine's tokens leave the reference's, with what is needed to judge and repro it.
-
-    ``*_top5`` are ``(token, decision score)`` pairs, best first, at this position given the common prefix (the
-    decision score is the raw logit when greedy, processed log-prob + spec Gumbel noise when sampled). ``None`` for a
-    token means that side had already ended.
-    """
-
-    engine: str
-    request_id: str
-    position: int
-    reference_token: int | None
-    engine_token: int | None
-    reference_top5: tuple[tuple[int, float], ...]
-    engine_top5: tuple[tuple[int, float], ...]
-    gap: float  # reference's top-1 minus top-2 decision score (inf when undefined)
-    accepted: bool
-    reason: str
-    repro: str
-
-    def describe(self) -> str:
-        top = lambda pairs: ", ".join(f"{t}:{s:.6g}" for t, s in pairs)  # noqa: E731
-        verdict = "ACCEPTED (near tie)" if self.accepted else "FAIL"
-        return (
-            f"[{self.engine}] request {self.request_id!r} diverges at position {self.position}: reference token "
-            f"{self.reference_token}, engine token {self.engine_token} -> {verdict}: {self.reason}\n"
-            f"  reference top-5 [{top(self.reference_top5)}] (top-2 gap {self.gap:.3g})\n"
-            f"  engine    top-5 [{top(self.engine_top5)}]\n  repro: {self.repro}"
-        )
-
-
-def first_divergence(reference: Sequence[int], other: Sequence[int]) -> int | None:
-    """First index where the token lists differ (or where one ends before the other); ``None`` if identical."""
-    for i, (a, b) in enumerate(zip(reference, other, strict=False)):
-        if a != b:
-            return i
-    return None if len(reference) == len(other) else min(len(reference), len(other))
-
-
-def decision_scores(model, request: RolloutRequest, prefix: Sequence[int]) -> torch.Tensor:
-    """(V,) float64: the scores the spec takes the argmax of at completion position ``len(prefix)``."""
-    logits = ref_logprobs.completion_logits(model, request.prompt_ids, [*prefix, 0])[-1]  # (V,)
-    if request.sampling.greedy:
-        return logits.double()
-    seeds = torch.tensor([request.seed], dtype=torch.int64, device=logits.device)  # (1,)
-    positions = torch.tensor([len(prefix)], dtype=torch.int64, device=logits.device)  # (1,)
-    noise = gumbel_noise(seeds, positions, logits.numel())[0]  # (V,)
-    return process_logits(logits, request.sampling).double() + noise
-
-
-def _top5(scores: torch.Tensor) -> tuple[tuple[int, float], ...]:
-    top = torch.topk(scores, min(5, scores.numel()))
-    return tuple((int(t), float(s)) for t, s in zip(top.indices, top.values, strict=True))
-
-
-def compare_tokens(
-    model, request: RolloutRequest, reference: Rollout, other: Rollout, *, engine: str, tier: Tier, repro: str = ""
-) -> Divergence | None:
-    """``None`` when the completions are identical, else the first :class:`Divergence`, judged by ``tier``.
-
-    A divergence where one side has ended while the other goes on is never accepted (a length or EOS bug, since both
-    sides share ``max_new_tokens`` and the EOS set). Oracle: ``reference.generate`` (whose rule is re-derived here
-    from ``reference.spec`` to score the divergent position).
-    """
-    pos = first_divergence(reference.completion_ids, other.completion_ids)
-    if pos is None:
-        return None
-    ref_tok = reference.completion_ids[pos] if pos < len(reference.completion_ids) else None
-    eng_tok = other.completion_ids[pos] if pos < len(other.completion_ids) else None
-    scores = decision_scores(model, request, reference.completion_ids[:pos])  # (V,)
-    top5 = _top5(scores)
-    gap = top5[0][1] - top5[1][1] if len(top5) > 1 else float("inf")
-    common = dict(engine=engine, request_id=request.request_id, position=pos, reference_token=ref_tok)
-    common |= dict(engine_token=eng_tok, reference_top5=top5, engine_top5=top5, gap=gap, repro=repro)
-    if ref_tok is None or eng_tok is None:
-        side = "reference" if ref_tok is None else "engine"
-        return Divergence(**common, accepted=False, reason=f"the {side} ended here while the other side went on")
-    if tier.token_rule == "exact_or_near_tie":
-        behind = float(scores[ref_tok] - scores[eng_tok])
-        ok = behind <= tier.near_tie_gap
-        why = f"engine token scores {behind:.3g} below the reference's (near-tie gap {tier.near_tie_gap:g})"
-        return Divergence(**common, accepted=ok, reason=why)
-    top_ids = {t for t, _ in top5}
-    ok = eng_tok in top_ids and ref_tok in top_ids
-    return Divergence(**common, accepted=ok, reason=f"each token in the other's top-5: {ok} (then comparison stops)")
-
-
 def teacher_forced_logprobs(
     model, requests: Sequence[RolloutRequest], rollouts: Sequence[Rollout], semantics: LogprobSemantics
 ) -> list[torch.Tensor]:
@@ -168,38 +84,118 @@ def teacher_forced_logprobs(
 
 
 @dataclass(frozen=True, slots=True)
+class NoisePositions:
+    """Per rollout, per position (each (L_i,)): the tier's unit (``Tier.unit`` of the teacher-forced row's largest
+    |logit|; 1 in float32) and whether the position may be skipped at a processor cut (its processed support can
+    change within the tier's noise and the engine's token is kept or on that cut); ``bound``: the max in units above
+    which such a position is skipped rather than judged."""
+
+    units: list[torch.Tensor]
+    at_cut: list[torch.Tensor]
+    bound: float
+
+
+def noise_positions(
+    model, requests: Sequence[RolloutRequest], rollouts: Sequence[Rollout], semantics: LogprobSemantics, tier: Tier
+) -> NoisePositions:
+    """:class:`NoisePositions` of each rollout's own tokens under ``tier`` (one teacher-forced forward per rollout
+    when ``tier.ulp > 0``; none in float32, where every unit is 1 and no position is at a cut)."""
+    units, cuts = [], []
+    for request, rollout in zip(requests, rollouts, strict=True):
+        n = len(rollout.completion_ids)
+        if tier.ulp == 0:
+            units.append(torch.ones(n, dtype=torch.float64))  # (L,)
+            cuts.append(torch.zeros(n, dtype=torch.bool))  # (L,)
+            continue
+        logits = ref_logprobs.completion_logits(model, request.prompt_ids, rollout.completion_ids).cpu()  # (L, V)
+        sampling = request.sampling
+        t = 1.0 if sampling.greedy or semantics == "raw" else sampling.temperature
+        unit = torch.ones(n, dtype=torch.float64)  # (L,)
+        cut = torch.zeros(n, dtype=torch.bool)  # (L,)
+        for i, (row, token) in enumerate(zip(logits, rollout.completion_ids, strict=True)):
+            scale = tier.unit(float(row.abs().max()))
+            processed = process_logits(row, sampling) if semantics == "processed" else torch.log_softmax(row, -1)
+            logp = float(processed[token])
+            # each logit moves by <= d (score units): log p moves by <= log(p + (1 - p) e^(2d)) (-> 2d as p -> 0,
+            # -> 0 as p -> 1), plus one ulp of the log-prob's own value (an engine may round it to the dtype)
+            d = tier.near_tie_gap / 2 * scale / t
+            p_tok = math.exp(logp) if math.isfinite(logp) else 0.0
+            sensitivity = math.log(p_tok + (1 - p_tok) * math.exp(2 * d)) / (2 * d)
+            unit[i] = scale * sensitivity + (tier.ulp * abs(logp) if math.isfinite(logp) else 0.0)
+            unit[i] = max(float(unit[i]), scale * tier.ulp)  # p == 1: second order, one ulp of a unit
+            if semantics == "processed":
+                edge = boundary_tokens(row, sampling, tier.near_tie_gap / 2 * scale)  # (V,)
+                cut[i] = bool(edge.any()) and (math.isfinite(logp) or bool(edge[token]))
+        cuts.append(cut)
+        units.append(unit)
+    return NoisePositions(units, cuts, tier.logprob_max_abs)
+
+
+@dataclass(frozen=True, slots=True)
 class LogprobDiff:
-    """|engine - reference| over all tokens: ``max_abs``, ``mean_abs``, and where the max is (request, position)."""
+    """|engine - reference| over all judged tokens: ``max_abs``, ``mean_abs``, and where the max is (request,
+    position); ``max_units`` / ``mean_units`` the same in the tier's units (equal to them in float32), and
+    ``skipped_at_cut`` the positions left out at a processor cut (see :class:`NoisePositions`)."""
 
     max_abs: float
     mean_abs: float
     num_tokens: int
     worst_request: str | None
     worst_position: int | None
+    max_units: float = 0.0
+    mean_units: float = 0.0
+    skipped_at_cut: int = 0
+
+    def within(self, tier: Tier) -> bool:
+        """Whether the differences are inside ``tier``'s max and mean bounds."""
+        return self.max_units <= tier.logprob_max_abs and self.mean_units <= tier.logprob_mean_abs
 
 
 def logprob_diffs(
-    rollouts: Sequence[Rollout], expected: Sequence[torch.Tensor], requests: Sequence[RolloutRequest] | None = None
+    rollouts: Sequence[Rollout],
+    expected: Sequence[torch.Tensor],
+    requests: Sequence[RolloutRequest] | None = None,
+    positions: NoisePositions | None = None,
 ) -> LogprobDiff:
     """Compare each rollout's returned ``logprobs`` with ``expected`` (same shapes). Inf/NaN count as inf.
 
     With ``requests``, each rollout's differences are multiplied by ``tolerances.logprob_scale(request.sampling)``
-    (``min(1, T)``: compare in logit units, see there), which is how every check in the suite calls it.
+    (``min(1, T)``: compare in logit units, see there), which is how every check in the suite calls it. With
+    ``positions``, each difference is also divided by its unit, and one above ``positions.bound`` units at a position
+    marked at a cut is skipped and counted.
     """
-    worst, worst_at, total, count = -1.0, (None, None), 0.0, 0
+    worst, worst_at, total, total_units, count, skipped = -1.0, (None, None), 0.0, 0.0, 0, 0
+    worst_units = 0.0
     scales = [logprob_scale(r.sampling) for r in requests] if requests is not None else [1.0] * len(rollouts)
-    for rollout, exp, scale in zip(rollouts, expected, scales, strict=True):
+    for k, (rollout, exp, scale) in enumerate(zip(rollouts, expected, scales, strict=True)):
         got = torch.tensor(rollout.logprobs, dtype=torch.float64)  # (L,)
         diff = (got - exp.double().cpu()).abs()  # (L,)
         diff = torch.where(torch.isfinite(diff), diff, torch.full_like(diff, float("inf")))
         diff = torch.where(torch.isneginf(got) & torch.isneginf(exp.double().cpu()), torch.zeros_like(diff), diff)
         diff = diff * scale
+        units = positions.units[k] if positions is not None else torch.ones_like(diff)  # (L,)
+        in_units, where = diff / units, torch.arange(diff.numel())  # (L,), (L,)
+        if positions is not None:
+            keep = ~(positions.at_cut[k] & (in_units > positions.bound))  # (L,)
+            skipped += int((~keep).sum())
+            diff, in_units, where = diff[keep], in_units[keep], where[keep]  # (L',) each
         if diff.numel():
-            i = int(torch.argmax(diff))
-            if float(diff[i]) > worst:
-                worst, worst_at = float(diff[i]), (rollout.request_id, i)
-            total, count = total + float(diff.sum()), count + diff.numel()
-    return LogprobDiff(max(worst, 0.0), total / count if count else 0.0, count, *worst_at)
+            i = int(torch.argmax(in_units))
+            if float(in_units[i]) > worst_units or worst < 0:
+                worst, worst_units, worst_at = float(diff[i]), float(in_units[i]), (rollout.request_id, int(where[i]))
+            total, total_units = total + float(diff.sum()), total_units + float(in_units.sum())
+            count += diff.numel()
+    mean, mean_units = (total / count, total_units / count) if count else (0.0, 0.0)
+    return LogprobDiff(max(worst, 0.0), mean, count, *worst_at, max(worst_units, 0.0), mean_units, skipped)
+
+
+def judge_logprobs(
+    model, requests: Sequence[RolloutRequest], rollouts: Sequence[Rollout], semantics: LogprobSemantics, tier: Tier
+) -> LogprobDiff:
+    """The engine's returned log-probs against teacher forcing on its own tokens, in ``tier``'s units: what
+    ``cbverify verify`` judges (``.within(tier)``)."""
+    expected = teacher_forced_logprobs(model, requests, rollouts, semantics)
+    return logprob_diffs(rollouts, expected, requests, noise_positions(model, requests, rollouts, semantics, tier))
 
 
 def mismatch(model, requests: Sequence[RolloutRequest], rollouts: Sequence[Rollout]) -> dict[str, float]:

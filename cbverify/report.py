@@ -32,6 +32,10 @@ class EngineRow:
     near_ties: int = 0
     logprob_max_diff: float = float("nan")
     logprob_mean_diff: float = float("nan")
+    logprob_max_units: float = float("nan")  # in the tier's units (Tier.unit per position); = max |dlogp| in fp32
+    logprob_mean_units: float = float("nan")
+    at_cut: int = 0  # positions not judged on their log-prob: at a processor cut within the tier's noise
+    units_tier: bool = False  # the tier's bounds are in units of the logit scale (bf16 / fp16): shown as "= Nu"
     mismatch_kl: float = float("nan")
     ess: float = float("nan")
     distribution: str = "-"
@@ -94,13 +98,20 @@ def evaluate_engine(
             if not div.accepted:
                 row.problems.append(f"request {request.request_id!r}: tokens diverge at position {div.position}")
     if caps.logprob_semantics != "none":
-        expected = compare.teacher_forced_logprobs(model, requests, rollouts, caps.logprob_semantics)
-        diff = compare.logprob_diffs(rollouts, expected, requests)
+        diff = compare.judge_logprobs(model, requests, rollouts, caps.logprob_semantics, tier)
         row.logprob_max_diff, row.logprob_mean_diff = diff.max_abs, diff.mean_abs
-        if diff.max_abs > tier.logprob_max_abs or diff.mean_abs > tier.logprob_mean_abs:
+        row.logprob_max_units, row.logprob_mean_units, row.at_cut = (
+            diff.max_units,
+            diff.mean_units,
+            diff.skipped_at_cut,
+        )
+        row.units_tier = tier.ulp > 0
+        units = "" if tier.ulp == 0 else f" = {diff.max_units:.3g} units (mean {diff.mean_units:.3g})"
+        if not diff.within(tier):
             row.problems.append(
-                f"log-probs off: max {diff.max_abs:.3g} (at {diff.worst_request!r} position {diff.worst_position}), "
-                f"mean {diff.mean_abs:.3g}; tier {tier.name} allows {tier.logprob_max_abs:g}/{tier.logprob_mean_abs:g}"
+                f"log-probs off: max {diff.max_abs:.3g}{units} (at {diff.worst_request!r} position "
+                f"{diff.worst_position}), mean {diff.mean_abs:.3g}; tier {tier.name} allows "
+                f"{tier.logprob_max_abs:g}/{tier.logprob_mean_abs:g}" + (" units" if tier.ulp else "")
             )
         metrics = compare.mismatch(model, requests, rollouts)
         row.mismatch_kl, row.ess = metrics["mismatch_kl"], metrics["ess"]
@@ -132,7 +143,10 @@ COLUMNS = ("engine", "verdict", "tokens equal", "near ties", "max |dlogp|", "mea
 def _cells(row: EngineRow) -> list[str]:
     f = lambda x, spec: "-" if x != x else format(x, spec)  # noqa: E731  (NaN -> "-")
     equal = f"{row.tokens_equal}/{row.tokens_compared}" if row.tokens_compared else "-"
-    return [row.engine, row.status, equal, str(row.near_ties), f(row.logprob_max_diff, ".2e"),
+    units = (
+        f" = {row.logprob_max_units:.2g}u" if row.units_tier and row.logprob_max_units == row.logprob_max_units else ""
+    )
+    return [row.engine, row.status, equal, str(row.near_ties), f(row.logprob_max_diff, ".2e") + units,
             f(row.logprob_mean_diff, ".2e"), f(row.mismatch_kl, ".2e"), f(row.ess, ".4f"), row.distribution,
             f(row.wall_s, ".2f"), f(row.tokens_per_s, ".0f")]  # fmt: skip
 
@@ -151,6 +165,11 @@ def render_text(env: dict[str, str], rows: Sequence[EngineRow], *, color: bool) 
     for row in rows:
         out += [f"\n[{row.engine}] {item}" for item in row.problems]
         out += [f"\n[{row.engine}] note: {item}" for item in row.notes]
+        if row.at_cut:
+            out.append(
+                f"\n[{row.engine}] {row.at_cut} position(s) at a sampling-processor cut within the tier's noise: "
+                "log-probs there not judged (the two sides renormalise over different kept sets)"
+            )
         out += [f"\n{item}" for item in row.divergences]  # Divergence.describe() names the engine itself
     return "\n".join(out)
 

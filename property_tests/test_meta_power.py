@@ -1,7 +1,9 @@
 """The suite's power: each faulty adapter of ``property_tests/faulty.py`` must make its corresponding check fail,
 while the correct engine passes the very same check on the very same scenario (so the check is not failing for an
 unrelated reason). Scenarios use the bundled random Qwen2, whose near-uniform distributions make every sampling
-bug visible; each ``cbverify verify`` row (``report.evaluate_engine``) must also turn FAIL.
+bug visible; each ``cbverify verify`` row (``report.evaluate_engine``) must also turn FAIL. The checks run in float32
+and in bfloat16 (each in the tier of its dtype, ``tolerances.tier_for``): a tier loose enough to let a bug through
+in bf16 fails here; the distribution tests draw with their own RNG and run in float32 only.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import torch
 from cbverify import compare, report
 from cbverify.distribution import distribution_test
 from cbverify.engines.reference_engine import ReferenceEngine
-from cbverify.tolerances import FP32
+from cbverify.tolerances import Tier, tier_for
 from property_tests import faulty
+from reference.models import load
 from reference.spec import RolloutRequest, SamplingParams
 
 PROMPT = (1, 6, 5, 16, 7, 5, 3)  # "<bos>Q:12+3..." style ids, any in-vocabulary prompt works
@@ -27,23 +30,30 @@ def group(sampling: SamplingParams, n: int = 6, eos: tuple[int, ...] = ()) -> li
     return [RolloutRequest(f"g{k}", PROMPT, sampling, seed=100 + k, eos_token_ids=eos) for k in range(n)]
 
 
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def qwen2_model(qwen2, request):
+    return qwen2.model if request.param == "float32" else load("tiny-qwen2-random", dtype=request.param)[0]
+
+
 @pytest.fixture(scope="module")
-def qwen2_model(qwen2):
+def qwen2_fp32(qwen2):
     return qwen2.model
+
+
+def tier_of(model) -> Tier:
+    return tier_for(next(model.parameters()).dtype)
 
 
 def logprob_check_fails(qwen2_model, engine, requests) -> bool:
     got = engine.generate(requests)
-    diff = compare.logprob_diffs(
-        got, compare.teacher_forced_logprobs(qwen2_model, requests, got, "processed"), requests
-    )
-    return diff.max_abs > FP32.logprob_max_abs or diff.mean_abs > FP32.logprob_mean_abs
+    tier = tier_of(qwen2_model)
+    return not compare.judge_logprobs(qwen2_model, requests, got, "processed", tier).within(tier)
 
 
 def token_check_fails(qwen2_model, engine, requests) -> bool:
     expected, got = ReferenceEngine(qwen2_model).generate(requests), engine.generate(requests)
-    triples = zip(requests, expected, got, strict=True)
-    divs = [compare.compare_tokens(qwen2_model, q, e, g, engine=engine.name, tier=FP32) for q, e, g in triples]
+    triples, tier = zip(requests, expected, got, strict=True), tier_of(qwen2_model)
+    divs = [compare.compare_tokens(qwen2_model, q, e, g, engine=engine.name, tier=tier) for q, e, g in triples]
     return any(d is not None and not d.accepted for d in divs)
 
 
@@ -90,16 +100,16 @@ def test_results_in_completion_order_fail_the_completeness_and_order_check(qwen2
     assert results_check_fails(faulty.CompletionOrder(qwen2_model), requests)
 
 
-def test_an_own_rng_sampler_that_drops_top_k_fails_the_distribution_test_and_a_correct_one_passes(qwen2_model):
+def test_an_own_rng_sampler_that_drops_top_k_fails_the_distribution_test_and_a_correct_one_passes(qwen2_fp32):
     request = [RolloutRequest("d", PROMPT, SamplingParams(temperature=1.0, top_k=3, max_new_tokens=2))]
-    assert distribution_test(faulty.OwnRNG(qwen2_model), qwen2_model, request, num_samples=150).passed
-    result = distribution_test(faulty.IgnoresTopK(qwen2_model), qwen2_model, request, num_samples=150)
+    assert distribution_test(faulty.OwnRNG(qwen2_fp32), qwen2_fp32, request, num_samples=150).passed
+    result = distribution_test(faulty.IgnoresTopK(qwen2_fp32), qwen2_fp32, request, num_samples=150)
     assert not result.passed, result.describe()
 
 
-def test_a_shared_rng_fails_the_distribution_test(qwen2_model):
+def test_a_shared_rng_fails_the_distribution_test(qwen2_fp32):
     request = [RolloutRequest("d", PROMPT, SamplingParams(temperature=1.0, max_new_tokens=2))]
-    assert not distribution_test(faulty.SharedRNG(qwen2_model), qwen2_model, request, num_samples=100).passed
+    assert not distribution_test(faulty.SharedRNG(qwen2_fp32), qwen2_fp32, request, num_samples=100).passed
 
 
 @pytest.mark.parametrize(
@@ -110,28 +120,33 @@ def test_the_verify_row_turns_fail_for_every_faulty_adapter(qwen2_model, adapter
     requests = group(PROCESSED, n=4) + [
         RolloutRequest("short", PROMPT, SamplingParams(temperature=0.0, max_new_tokens=2), eos_token_ids=())
     ]
-    reference = ReferenceEngine(qwen2_model).generate(requests)
+    reference, tier = ReferenceEngine(qwen2_model).generate(requests), tier_of(qwen2_model)
     assert (
-        report.evaluate_engine(ReferenceEngine(qwen2_model), qwen2_model, requests, reference, FP32).status == "PASS"
+        report.evaluate_engine(ReferenceEngine(qwen2_model), qwen2_model, requests, reference, tier).status == "PASS"
     )
-    row = report.evaluate_engine(adapter(qwen2_model), qwen2_model, requests, reference, FP32)
+    row = report.evaluate_engine(adapter(qwen2_model), qwen2_model, requests, reference, tier)
     assert row.status == "FAIL", row
 
 
 def test_a_token_divergence_is_accepted_exactly_inside_the_near_tie_gap(qwen2_model):
-    """Swap the reference's sampled token for the runner-up at position 0 and move the tier's gap around it."""
+    """Swap the reference's sampled token for the runner-up at position 0 and move the tier's gap around it (in the
+    tier's units: 1 in float32, one bf16 ulp of the row's logit scale in bfloat16; T = 1, no processors)."""
 
     def top2(request):  # (gap, runner-up) of the decision scores at position 0
         top = torch.topk(compare.decision_scores(qwen2_model, request, ()), 2)
         return float(top.values[0] - top.values[1]), int(top.indices[1])
 
-    # the first seed whose gap is in (0, 1), so a lax threshold such as 1.0 would be caught too
-    request = next(r for r in group(SamplingParams(temperature=1.0, max_new_tokens=1), n=20) if 0 < top2(r)[0] < 1)
+    tier = tier_of(qwen2_model)
+    logits = compare.decision_scores(qwen2_model, group(SamplingParams(temperature=0.0, max_new_tokens=1))[0], ())
+    unit = tier.unit(float(logits.abs().max()))
+    # the first seed whose gap is above the tier's and below 1, so a lax threshold such as 1.0 would be caught too
+    candidates = group(SamplingParams(temperature=1.0, max_new_tokens=1), n=20)
+    request = next(r for r in candidates if tier.near_tie_gap * unit < top2(r)[0] < 1)
     gap, runner_up = top2(request)
     reference = ReferenceEngine(qwen2_model).generate([request])[0]
     swapped = replace(reference, completion_ids=(runner_up,))
     for factor, accepted in ((0.999, False), (1.001, True)):
-        tier = replace(FP32, near_tie_gap=gap * factor)
-        div = compare.compare_tokens(qwen2_model, request, reference, swapped, engine="swap", tier=tier)
+        moved = replace(tier, near_tie_gap=gap / unit * factor)
+        div = compare.compare_tokens(qwen2_model, request, reference, swapped, engine="swap", tier=moved)
         assert div is not None and div.position == 0 and div.accepted is accepted, div.describe()
-    assert not compare.compare_tokens(qwen2_model, request, reference, swapped, engine="swap", tier=FP32).accepted
+    assert not compare.compare_tokens(qwen2_model, request, reference, swapped, engine="swap", tier=tier).accepted

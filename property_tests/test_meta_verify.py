@@ -1,5 +1,6 @@
 """``cbverify verify`` end to end on a tiny workload: a clean run exits 0 and writes its JSON / Markdown reports; an
-engine swapped for a faulty adapter turns its row FAIL and the exit code non-zero (same checks as the tests)."""
+engine swapped for a faulty adapter turns its row FAIL and the exit code non-zero (same checks as the tests), in
+float32 and in bfloat16 (each in the tier of its dtype)."""
 
 from __future__ import annotations
 
@@ -19,26 +20,23 @@ def _argv(tmp_path, *extra: str) -> list[str]:
             "--json", str(tmp_path / "r.json"), "--markdown", str(tmp_path / "r.md"), *extra]  # fmt: skip
 
 
-def test_verify_passes_every_engine_on_the_bundled_model_and_writes_both_reports(tmp_path, capsys):
-    assert main(_argv(tmp_path)) == 0
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_verify_passes_every_engine_on_the_bundled_model_and_writes_both_reports(tmp_path, capsys, dtype):
+    assert main(_argv(tmp_path, "--dtype", dtype)) == 0
     out = capsys.readouterr().out
-    for field in ("torch=", "transformers=", "trl=", "device=cpu", "dtype=float32"):
+    for field in ("torch=", "transformers=", "trl=", "device=cpu", f"dtype={dtype}"):
         assert field in out
     report = json.loads((tmp_path / "r.json").read_text())
-    expected = [
-        "reference",
-        "cb_impl",
-        "cb_impl[pressure]",
-        "hf-generate",
-        "transformers-cb",
-        "transformers-cb[pressure]",
-    ]
-    assert [row["engine"] for row in report["engines"]] == expected
+    expected = ["reference", "cb_impl", "cb_impl[pressure]", "hf-generate", "transformers-cb"]
+    assert [row["engine"] for row in report["engines"]] == [*expected, "transformers-cb[pressure]"]
     pressured = next(row for row in report["engines"] if row["engine"] == "cb_impl[pressure]")
     assert any("preemptions" in note and "chunked prefills" in note for note in pressured["notes"]), pressured
     assert all(row["status"] == "PASS" for row in report["engines"])
     assert "| reference | PASS |" in (tmp_path / "r.md").read_text()
     assert "\033[" not in out, "colour codes must only be written to a terminal"
+
+
+QWEN2_SMALL = ("--model", "tiny-qwen2-random", "--num-prompts", "2", "--seed", "5")
 
 
 @pytest.mark.parametrize("fault", ["ShiftedLogprobs", "SharedRNG", "DroppedLastToken", "TopKAfterTopP",
@@ -48,44 +46,23 @@ def test_verify_exits_non_zero_when_an_engine_is_faulty(tmp_path, monkeypatch, f
     test), on the random Qwen2, whose flatter distributions let a wrong seed or processor show in a few tokens;
     ``--seed 5`` puts the spread's combined top-k + top-p + min-p sampling on the first prompt."""
     monkeypatch.setitem(engines_module.ENGINE_MODULES, "hf-generate", ("property_tests.faulty", fault))
-    assert (
-        main(
-            _argv(
-                tmp_path,
-                "--engines",
-                "hf-generate",
-                "--model",
-                "tiny-qwen2-random",
-                "--num-prompts",
-                "2",
-                "--seed",
-                "5",
-            )
-        )
-        == 1
-    )
+    assert main(_argv(tmp_path, "--engines", "hf-generate", *QWEN2_SMALL)) == 1
+    rows = json.loads((tmp_path / "r.json").read_text())["engines"]
+    assert [r["status"] for r in rows] == ["FAIL"], rows
+
+
+@pytest.mark.parametrize("fault", ["ShiftedLogprobs", "DroppedLastToken", "CompletionOrder"])
+def test_verify_catches_faulty_engines_in_bfloat16_too(tmp_path, monkeypatch, fault):
+    monkeypatch.setitem(engines_module.ENGINE_MODULES, "cb_impl", ("property_tests.faulty", fault))
+    argv = _argv(tmp_path, "--engines", "cb_impl", "--dist-samples", "0", "--no-pressure", "--dtype", "bfloat16")
+    assert main(argv) == 1
     rows = json.loads((tmp_path / "r.json").read_text())["engines"]
     assert [r["status"] for r in rows] == ["FAIL"], rows
 
 
 def test_verify_passes_a_correct_own_rng_engine(tmp_path, monkeypatch):
     monkeypatch.setitem(engines_module.ENGINE_MODULES, "hf-generate", ("property_tests.faulty", "OwnRNG"))
-    assert (
-        main(
-            _argv(
-                tmp_path,
-                "--engines",
-                "hf-generate",
-                "--model",
-                "tiny-qwen2-random",
-                "--num-prompts",
-                "2",
-                "--seed",
-                "5",
-            )
-        )
-        == 0
-    )
+    assert main(_argv(tmp_path, "--engines", "hf-generate", *QWEN2_SMALL)) == 0
 
 
 def _verdicts(tmp_path, fault: str, monkeypatch, *extra: str) -> dict[str, str]:

@@ -43,7 +43,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="bundled model name or local checkpoint directory")
     parser.add_argument("--engines", nargs="+", default=list(ENGINE_NAMES), choices=ENGINE_NAMES,
                         help="engines to verify (the reference is always run as the oracle)")  # fmt: skip
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="model dtype; the tolerance tier follows it (cbverify.tolerances.tier_for)")  # fmt: skip
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="device to run every engine on")
     parser.add_argument("--json", type=Path, default=None, help="also write the report as JSON to this file")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the report as Markdown to this file")
