@@ -187,3 +187,23 @@ class PreemptionKeepsComputed:
 
         scheduler.preempt = buggy_preempt
         return engine
+
+
+# Faulty sessions around transformers CB for the fuzzer (``cbverify.fuzz.drivers.Session``): each breaks one thing.
+def _fuzz_session(mutate):
+    from cbverify.fuzz.drivers import Session
+
+    class FaultySession(Session):
+        def call(self, step):
+            return mutate(self, super().call(step))
+
+    return FaultySession
+
+
+def _drop_last(session, result):
+    result.raw = result.raw[:-1]
+    result.ordered = result.ordered[:-1] + [None]
+    return result
+
+
+DropsLastRequest = _fuzz_session(_drop_last)

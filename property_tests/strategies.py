@@ -296,3 +296,7 @@ def grpo_sampling_fields(draw) -> dict:
         top_k=draw(st.sampled_from([0, 5])), min_p=draw(st.sampled_from([None, 0.05])),
         max_completion_length=draw(st.integers(1, 64)),
     )  # fmt: skip
+
+
+# The fuzzer's strategies (``cbverify fuzz`` draws from them, so they live in the cbverify layer; re-exported here).
+from cbverify.fuzz.strategies import fuzz_cases, fuzz_request_groups  # noqa: E402, F401

@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "upstream": ("cbverify.cli.upstream", "TRL / transformers integration checks and the findings registry"),
     "matrix": ("cbverify.cli.matrix", "run the upstream checks across several transformers/trl versions"),
     "zoo": ("cbverify.cli.zoo", "every engine on tiny checkpoints of many architectures; the coverage table"),
+    "fuzz": ("cbverify.cli.fuzz", "Hypothesis search over one engine's configurations and call patterns"),
     "train": (
         "cbverify.cli.train",
         "the oracle's GRPO loop on the bundled model, with the reference or cb_impl engine",

@@ -1,0 +1,42 @@
+"""``cbverify fuzz``: a Hypothesis search over one engine's configurations and call patterns (see cbverify.fuzz)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine", choices=("transformers-cb", "cb_impl", "hf-generate"), default="transformers-cb")
+    parser.add_argument("--model", default="tiny-llama-arith", help="bundled name or local checkpoint (float32)")
+    parser.add_argument("--examples", type=int, default=50, help="cases to draw (~4 s each for transformers-cb)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="write one repro script + JSON per failure class")
+    parser.add_argument("--shrink-runs", type=int, default=12, help="re-runs allowed to shrink each failure class")
+
+
+def run(args) -> int:
+    import torch
+
+    from cbverify.fuzz import repro
+    from cbverify.fuzz.search import explore, shrink
+    from reference.models import load
+
+    torch.set_num_threads(1)
+    model, _ = load(args.model)
+    report = explore(model, args.engine, model_name=args.model, examples=args.examples, seed=args.seed)
+    print(f"cbverify fuzz --engine {args.engine}: {report.examples} examples in {report.seconds:.1f}s")
+    print("explored:", ", ".join(f"{k} {v}" for k, v in sorted(report.explored.items())))
+    print("configs: ", ", ".join(f"{k} {v}" for k, v in sorted(report.configs.items())))
+    for cls in report.classes.values():
+        if args.out is not None:
+            cls = shrink(model, cls, budget=args.shrink_runs)
+        verdict = f"XFAIL({cls.finding})" if cls.finding else "FAIL"
+        print(f"  {verdict:45s} {cls.check}: {cls.examples} times; e.g. {cls.detail[:160]}")
+        if args.out is not None:
+            for path in repro.write(args.out, cls.case, cls.check, cls.detail, cls.finding):
+                print(f"    wrote {path}")
+    if not report.classes:
+        print("  no failures")
+    print(f"total {report.seconds:.1f}s; {len(report.unregistered)} unregistered failure classes")
+    return 1 if report.unregistered else 0

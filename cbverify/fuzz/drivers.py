@@ -1,0 +1,236 @@
+"""One session per engine: builds the engine from a :class:`FuzzCase`'s configuration and runs its calls as a user
+of that engine's API would, recording every raw output and what happened inside (evictions).
+
+- ``transformers-cb``: the manager itself (``init_continuous_batching`` / ``start`` / ``add_request`` /
+  ``get_result`` / ``stop``), with the drawn ``ContinuousBatchingConfig``; persistent sessions keep one manager
+  running across calls and change the model inside ``manager.pause()``. Per-request ``temperature`` / ``top_k`` /
+  ``top_p`` are passed exactly as drawn (``per_request_processors=True`` needs processors built at creation, so the
+  ``GenerationConfig`` then carries non-default placeholders, as transformers' documentation says to do).
+- ``cb_impl``: ``LLMEngine`` with the drawn ``EngineConfig``; persistent sessions reuse one engine.
+- ``hf-generate``: the adapter (stateless between calls).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+
+import torch
+
+from cbverify.fuzz.case import FuzzCase, Step
+
+CALL_TIMEOUT_S = 120.0  # a call on the tiny bundled models takes ~1 s; a hang is reported as a lost request
+
+
+@dataclass(slots=True)
+class Output:
+    request_id: str
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class CallResult:
+    raw: list[Output]  # everything the engine delivered, in arrival order
+    ordered: list[Output | None]  # the session's answer per request of the call, in request order
+    evictions: int = 0
+    crash: str | None = None  # the engine raised, or its generation thread died
+
+
+@dataclass(slots=True)
+class Session:
+    model: object
+    case: FuzzCase
+    manager: object = None
+    engine: object = None
+    evictions: list = field(default_factory=lambda: [0])
+    generation_config: object = None  # the GenerationConfig handed to the manager, and its contents then
+    generation_config_before: dict | None = None
+
+    # ---------------------------------------------------------------- transformers CB
+    def _gen_config(self):
+        from transformers import GenerationConfig
+
+        g, cfg = self.case.generation, self.model.config
+        kw = dict(do_sample=bool(g.get("do_sample")), max_new_tokens=16, pad_token_id=cfg.pad_token_id,
+                  eos_token_id=cfg.eos_token_id)  # fmt: skip
+        for key in ("min_new_tokens", "repetition_penalty"):
+            if g.get(key) is not None:
+                kw[key] = g[key]
+        if kw["do_sample"]:
+            kw["min_p"] = g.get("min_p")
+            if self.case.config.get("per_request_processors"):  # processors must exist to take per-request values
+                kw.update(temperature=0.5, top_k=cfg.vocab_size, top_p=0.999)
+            else:  # one shared setting: the first request's
+                first = self.case.requests[0]
+                kw.update(temperature=first.temperature, top_k=first.top_k, top_p=first.top_p)
+        return GenerationConfig(**kw)
+
+    def _new_manager(self):
+        from transformers.generation import ContinuousBatchingConfig
+
+        self.generation_config = self._gen_config()
+        self.generation_config_before = copy.deepcopy(self.generation_config.to_dict())
+        manager = self.model.init_continuous_batching(
+            generation_config=self.generation_config,
+            continuous_batching_config=ContinuousBatchingConfig(**self.case.config),
+        )
+        manager.start()
+        return manager
+
+    @contextmanager
+    def _count_evictions(self):
+        from transformers.generation.continuous_batching import offloading_manager as om
+
+        original = om.OffloadingManager.offload_requests
+        counter = self.evictions
+
+        def counted(this):
+            starved = bool(this.scheduler.starved_requests)
+            done = original(this)
+            counter[0] += int(done and starved)
+            return done
+
+        om.OffloadingManager.offload_requests = counted
+        try:
+            yield
+        finally:
+            om.OffloadingManager.offload_requests = original
+
+    def _cb_call(self, step: Step) -> CallResult:
+        manager = self.manager or self._new_manager()
+        per_request = self.case.config.get("per_request_processors")
+        sampled = self.case.generation.get("do_sample")
+        raw: list[Output] = []
+        crash = None
+        wanted = {r.request_id for r in step.requests}
+        half = (len(step.requests) + 1) // 2 if step.staggered else len(step.requests)
+        batches = [step.requests[:half], step.requests[half:]]
+        try:
+            for i, batch in enumerate(batches):
+                if i and batch:  # the second half joins once the first result is out
+                    self._collect(manager, raw, wanted, until=1)
+                for r in batch:
+                    kw = {}
+                    if sampled and per_request:
+                        kw = {k: v for k, v in (("temperature", r.temperature), ("top_k", r.top_k),
+                                                ("top_p", r.top_p)) if v is not None}  # fmt: skip
+                    manager.add_request(list(r.prompt_ids), request_id=r.request_id, max_new_tokens=r.max_new_tokens,
+                                        eos_token_id=list(r.eos_token_ids), **kw)  # fmt: skip
+            crash = self._collect(manager, raw, wanted, until=len(wanted))
+        finally:
+            if self.manager is None:
+                manager.stop(block=True)
+                manager.destroy()
+        return CallResult(raw, _order(step, raw), crash=crash)
+
+    def _collect(self, manager, raw: list[Output], wanted: set[str], until: int) -> str | None:
+        deadline = time.monotonic() + CALL_TIMEOUT_S
+        while len({o.request_id for o in raw} & wanted) < until:
+            result = manager.get_result(timeout=0.2)
+            if result is not None and result.is_finished():
+                lp = tuple(result.logprobs or ())
+                raw.append(Output(result.request_id, tuple(result.generated_tokens), lp, result.error))
+            elif result is None and not manager.is_running():
+                return f"generation thread died: {manager.background_thread_status.fatal_error!r}"
+            if time.monotonic() > deadline:
+                return f"timeout after {CALL_TIMEOUT_S}s"
+        return None
+
+    # ---------------------------------------------------------------- cb_impl / hf-generate
+    def _new_engine(self):
+        if self.case.engine == "cb_impl":
+            from cb_impl.config import EngineConfig
+            from cb_impl.engine import LLMEngine
+
+            return LLMEngine(self.model, EngineConfig(**self.case.config))
+        from cbverify.engines import get_engine
+
+        return get_engine(self.case.engine, self.model, **self.case.config)
+
+    def _engine_call(self, step: Step) -> CallResult:
+        engine = self.engine or self._new_engine()
+        requests = [r.rollout_request(self.case.generation) for r in step.requests]
+        if self.case.engine != "cb_impl":
+            rollouts = engine.generate(requests)
+        else:
+            half = (len(requests) + 1) // 2 if step.staggered else len(requests)
+            rollouts = []
+            for r in requests[:half]:
+                engine.add_request(r)
+            while engine.has_unfinished():
+                rollouts += engine.step()
+                if rollouts and half < len(requests):
+                    for r in requests[half:]:
+                        engine.add_request(r)
+                    half = len(requests)
+        raw = [Output(r.request_id, tuple(r.completion_ids), tuple(r.logprobs)) for r in rollouts]
+        ordered = raw if self.case.engine != "cb_impl" else _order(step, raw)
+        return CallResult(raw, list(ordered))
+
+    # ---------------------------------------------------------------- the program
+    def open(self) -> None:
+        if self.case.persistent and self.case.engine == "transformers-cb":
+            self.manager = self._new_manager()
+        elif self.case.persistent:
+            self.engine = self._new_engine()
+
+    def close(self) -> None:
+        if self.manager is not None:
+            self.manager.stop(block=True)
+            self.manager.destroy()
+            self.manager = None
+
+    def call(self, step: Step) -> CallResult:
+        before = self.evictions[0]
+        try:
+            with self._count_evictions() if self.case.engine == "transformers-cb" else nullcontext():
+                result = self._cb_call(step) if self.case.engine == "transformers-cb" else self._engine_call(step)
+        except Exception as err:  # noqa: BLE001 - any raise is a finding to report, never a fuzzer crash
+            result = CallResult([], [None] * len(step.requests), crash=f"{type(err).__name__}: {err}")
+        result.evictions = self.evictions[0] - before
+        return result
+
+    def paused(self):
+        return self.manager.pause() if self.manager is not None and self.manager.is_running() else nullcontext()
+
+    def train_step(self, seed: int) -> None:
+        """One training step as a GRPO loop takes it: forward, backward, SGD step, in train mode (then back)."""
+        was_training = self.model.training
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(3, self.model.config.vocab_size, (2, 12), generator=g)
+        with self.paused():
+            self.model.train()
+            opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
+            loss = torch.nn.functional.cross_entropy(self.model(input_ids=ids).logits[:, :-1].flatten(0, 1),
+                                                     ids[:, 1:].flatten())  # fmt: skip
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            self.model.train(was_training)
+
+    def update_weights(self, seed: int) -> None:
+        """A weight sync as a trainer does it: every parameter changed in place."""
+        g = torch.Generator().manual_seed(seed)
+        with self.paused(), torch.no_grad():
+            for p in self.model.parameters():
+                p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * 0.05)
+
+
+def _order(step: Step, raw: list[Output]) -> list[Output | None]:
+    first = {}
+    for o in raw:
+        first.setdefault(o.request_id, o)
+    return [first.get(r.request_id) for r in step.requests]
+
+
+def snapshot(model) -> dict:
+    """What a call must leave as it found it (the caller's side of the model)."""
+    return dict(
+        attn_implementation=model.config._attn_implementation, training=model.training,
+        dtypes=sorted({str(p.dtype) for p in model.parameters()}), global_rng=torch.get_rng_state().clone(),
+        generation_config=copy.deepcopy(model.generation_config.to_dict()),
+    )  # fmt: skip

@@ -1,0 +1,46 @@
+"""Writing a shrunk failure as a standalone Python script (torch + transformers only, the checkpoint by absolute
+path) and a JSON record (versions, configuration, case). The script exits 1 while the failure is there.
+
+Scripts are written for ``transformers-cb`` cases (the fuzzer's upstream target); the JSON record is written for
+every engine.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+
+from cbverify.fuzz.case import FuzzCase
+from cbverify.tolerances import FP32
+from reference.models import resolve
+
+TEMPLATE = Path(__file__).with_name("repro_template.py.txt")
+
+
+def versions() -> dict:
+    import torch
+    import transformers
+    import trl
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
+            "python": platform.python_version()}  # fmt: skip
+
+
+def script_text(case: FuzzCase, check: str) -> str:
+    return TEMPLATE.read_text().format(
+        check=check, checkpoint=str(resolve(case.model).resolve()), case_json=case.dumps(), tol=FP32.logprob_max_abs
+    )
+
+
+def write(out: Path, case: FuzzCase, check: str, detail: str, finding: str | None) -> list[Path]:
+    """``<out>/<engine>-<check>.py`` (transformers-cb) and ``.json``; returns the paths written."""
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{case.engine}-{check.replace(':', '-')}"
+    record = {"check": check, "detail": detail, "finding": finding, "versions": versions(), "case": case.to_json()}
+    paths = [out / f"{stem}.json"]
+    paths[0].write_text(json.dumps(record, indent=1, sort_keys=True))
+    if case.engine == "transformers-cb":
+        paths.append(out / f"{stem}.py")
+        paths[1].write_text(script_text(case, check))
+    return paths

@@ -1,0 +1,87 @@
+"""Running one fuzz case end to end: a fresh copy of the weights, the program of calls / trainings / weight updates
+through a :class:`~cbverify.fuzz.drivers.Session`, every call judged against the oracle *at the weights it ran
+with*, and the model state judged at the end. Also what the case exercised (for the histogram)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cbverify.fuzz.case import FuzzCase
+from cbverify.fuzz.drivers import Session, snapshot
+from cbverify.fuzz.judge import Failure, judge_call, judge_state
+
+
+@dataclass(slots=True)
+class Outcome:
+    failures: list[Failure] = field(default_factory=list)
+    features: set[str] = field(default_factory=set)
+
+    @property
+    def checks(self) -> set[str]:
+        return {f.check for f in self.failures}
+
+
+def features(case: FuzzCase) -> set[str]:
+    """What the case is built to exercise (evictions are counted while it runs)."""
+    c, out = case.config, {case.call_pattern()}
+    budget = c.get("max_batch_tokens")
+    page = c.get("page_size") or c.get("block_size")
+    if budget and any(len(r.prompt_ids) > budget for r in case.requests):
+        out.add("chunked-prefill")
+    if page and any(len(r.prompt_ids) > page for r in case.requests):
+        out.add("prompt>page")
+    prompts = [r.prompt_ids for s in case.calls for r in s.requests]
+    shared = page and any(prompts.count(p) > 1 and len(p) >= page for p in prompts)
+    if shared and (c.get("allow_block_sharing") or c.get("enable_prefix_sharing")):
+        out.add("shared-blocks")
+    if any(s.staggered for s in case.calls):
+        out.add("added-while-running")
+    out.add("sampled" if case.generation.get("do_sample") else "greedy")
+    for key in ("min_new_tokens", "repetition_penalty"):
+        if case.generation.get(key) not in (None, 0, 1.0):
+            out.add(key)
+    if any(r.top_k == 0 for r in case.requests) and case.generation.get("do_sample"):
+        out.add("per-request-top_k=0")
+    return out
+
+
+class Pristine:
+    """The model's weights and mode as loaded, restored before every case (cases train and update weights)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self.training = model.training
+        self.attn = model.config._attn_implementation
+
+    def restore(self) -> None:
+        self.model.load_state_dict(self.state)
+        self.model.train(self.training)
+        if self.model.config._attn_implementation != self.attn:
+            self.model.set_attn_implementation(self.attn)
+
+
+def run_case(model, case: FuzzCase, session_factory=Session) -> Outcome:
+    """Run ``case`` on ``model`` (restored by the caller) and judge it."""
+    outcome = Outcome(features=features(case))
+    model.train(case.caller_training)
+    before = snapshot(model)
+    session = session_factory(model=model, case=case)
+    try:
+        session.open()
+        for step in case.steps:
+            if step.kind == "call":
+                result = session.call(step)
+                if result.evictions:
+                    outcome.features.add("evicted")
+                outcome.failures += judge_call(model, case, step, result)
+            elif step.kind == "train":
+                session.train_step(step.seed)
+            else:
+                session.update_weights(step.seed)
+    except Exception as err:  # noqa: BLE001 - a crash outside a call (opening, training while paused)
+        outcome.failures.append(Failure("engine-crash", f"{type(err).__name__}: {err}"[:300]))
+    finally:
+        session.close()
+    outcome.failures += judge_state(before, model, session)
+    return outcome

@@ -1,0 +1,130 @@
+"""The search: Hypothesis draws cases (:func:`cbverify.fuzz.strategies.fuzz_cases`), each is run and judged; every
+failing check is a failure class, classified against :data:`cbverify.fuzz.findings.FUZZ_FINDINGS` (XFAIL when a
+registered finding covers it, FAIL otherwise). A class's first failing case is then shrunk (drop steps, calls and
+requests, shorten prompts and completions, one manager per call) while the same check keeps failing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import seed as hypothesis_seed
+
+from cbverify.fuzz.case import FuzzCase, Step
+from cbverify.fuzz.drivers import Session
+from cbverify.fuzz.findings import covering
+from cbverify.fuzz.run import Pristine, run_case
+from cbverify.fuzz.strategies import fuzz_cases
+
+
+@dataclass(slots=True)
+class FailureClass:
+    check: str
+    case: FuzzCase  # shrunk once shrink() ran
+    detail: str
+    examples: int = 0
+    finding: str | None = None
+
+
+@dataclass(slots=True)
+class Report:
+    engine: str
+    examples: int = 0
+    explored: Counter = field(default_factory=Counter)
+    configs: Counter = field(default_factory=Counter)
+    classes: dict[str, FailureClass] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def unregistered(self) -> list[FailureClass]:
+        return [c for c in self.classes.values() if c.finding is None]
+
+
+def explore(model, engine: str, *, model_name: str, examples: int, seed: int = 0, session_factory=Session,
+            engine_label: str | None = None) -> Report:  # fmt: skip
+    """Run ``examples`` drawn cases; ``engine_label`` names a wrapped engine (findings cover only the real one)."""
+    report, pristine, start = Report(engine_label or engine), Pristine(model), time.perf_counter()
+
+    @hypothesis_seed(seed)
+    @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(fuzz_cases(engine=engine, model=model_name))
+    def one(case: FuzzCase) -> None:
+        pristine.restore()
+        outcome = run_case(model, case, session_factory)
+        report.examples += 1
+        report.explored.update(outcome.features)
+        report.configs.update(_config_keys(case))
+        for f in outcome.failures:
+            cls = report.classes.get(f.check)
+            if cls is None:
+                finding = covering(engine_label or engine, f.check, case)
+                cls = report.classes[f.check] = FailureClass(f.check, case, f.detail, finding=finding and finding.id)
+            elif cls.finding is not None and covering(engine_label or engine, f.check, case) is None:
+                cls.case, cls.detail, cls.finding = case, f.detail, None  # an instance no finding explains
+            cls.examples += 1
+
+    one()
+    pristine.restore()
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _config_keys(case: FuzzCase) -> list[str]:
+    c = case.config
+    names = ("scheduler_type", "allow_block_sharing", "return_logprobs", "per_request_processors",
+             "enable_prefix_sharing", "max_num_seqs")  # fmt: skip
+    keys = [f"{k}={c[k]}" for k in names if k in c]
+    return keys + [f"max_batch_tokens={c.get('max_batch_tokens')}"]
+
+
+def still_fails(model, case: FuzzCase, check: str, pristine: Pristine, session_factory=Session) -> bool:
+    pristine.restore()
+    try:
+        return check in run_case(model, case, session_factory).checks
+    finally:
+        pristine.restore()
+
+
+def candidates(case: FuzzCase):
+    """Smaller cases, biggest cuts first."""
+    steps = list(case.steps)
+    if case.persistent:
+        yield replace(case, persistent=False, steps=tuple(replace(s, staggered=False) for s in steps))
+    for i in range(len(steps)):
+        rest = steps[:i] + steps[i + 1 :]
+        if any(s.kind == "call" for s in rest):
+            yield case.with_steps(rest)
+    for i, s in enumerate(steps):
+        for j in range(len(s.requests)):
+            if len(s.requests) > 1:
+                yield case.with_steps(
+                    steps[:i] + [replace(s, requests=s.requests[:j] + s.requests[j + 1 :])] + steps[i + 1 :]
+                )
+        for j, r in enumerate(s.requests):
+            for smaller in (replace(r, max_new_tokens=max(1, r.max_new_tokens // 2)),
+                            replace(r, prompt_ids=r.prompt_ids[: max(1, len(r.prompt_ids) // 2)])):  # fmt: skip
+                if smaller != r:
+                    reqs = s.requests[:j] + (smaller,) + s.requests[j + 1 :]
+                    yield case.with_steps(steps[:i] + [Step(s.kind, reqs, s.staggered, s.seed)] + steps[i + 1 :])
+    if case.caller_training:
+        yield replace(case, caller_training=False)
+
+
+def shrink(model, cls: FailureClass, *, budget: int, session_factory=Session) -> FailureClass:
+    """Greedy: take the first smaller candidate that still fails ``cls.check``; at most ``budget`` runs."""
+    pristine, runs, case = Pristine(model), 0, cls.case
+    improved = True
+    while improved and runs < budget:
+        improved = False
+        for cand in candidates(case):
+            if runs >= budget:
+                break
+            runs += 1
+            if still_fails(model, cand, cls.check, pristine, session_factory):
+                case, improved = cand, True
+                break
+    return replace(cls, case=case)

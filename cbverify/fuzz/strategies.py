@@ -1,0 +1,96 @@
+"""Hypothesis strategies of the fuzzer (re-exported by ``property_tests/strategies.py``, the suite's one place for
+strategies; they live here because ``cbverify fuzz`` draws from them and ``cbverify`` may not import the tests).
+
+Everything is drawn small enough for a CPU: prompts up to 40 tokens (longer than a page and than the smallest token
+budgets), completions up to 10 tokens, 1-3 calls of 1-3 GRPO groups of 1-3 samples.
+"""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import strategies as st
+
+from cbverify.fuzz.case import FuzzCase, FuzzRequest, Step
+from reference import tasks
+
+EOS_SETS = ((tasks.EOS_ID,), (tasks.EOS_ID,), (tasks.EOS_ID, tasks.VOCAB["\n"]), ())
+
+
+@st.composite
+def fuzz_request_groups(draw, *, call: int, sampled: bool, per_request: bool, max_prompt_len: int = 40):
+    """1-3 GRPO groups (one prompt, 1-3 samples each, distinct seeds); ids unique across calls (``c<call>-...``)."""
+    out = []
+    for p in range(draw(st.integers(1, 3))):
+        n = draw(st.integers(1, max_prompt_len - 1))
+        prompt = (tasks.BOS_ID, *draw(st.lists(st.integers(3, tasks.VOCAB_SIZE - 1), min_size=n, max_size=n)))
+        for g in range(draw(st.integers(1, 3))):
+            kw = {}
+            if sampled and per_request:
+                kw = dict(
+                    temperature=draw(st.sampled_from([0.7, 1.0, 1.5])), top_k=draw(st.sampled_from([None, 0, 1, 3])),
+                    top_p=draw(st.sampled_from([None, 0.8, 1.0])),
+                )  # fmt: skip
+            elif sampled:
+                kw = dict(temperature=1.0)
+            out.append(
+                FuzzRequest(
+                    f"c{call}-p{p}-g{g}",
+                    prompt,
+                    draw(st.integers(1, 10)),
+                    draw(st.sampled_from(EOS_SETS)),
+                    seed=draw(st.integers(0, 2**31 - 1)),
+                    **kw,
+                )  # fmt: skip
+            )
+    return out
+
+
+def _blocks(requests, page: int) -> int:
+    return max(math.ceil((len(r.prompt_ids) + r.max_new_tokens) / page) for r in requests)
+
+
+@st.composite
+def fuzz_cases(draw, *, engine: str, model: str = "tiny-llama-arith") -> FuzzCase:
+    """An engine configuration, manager-wide generation options and a program of calls, trainings and updates."""
+    sampled = draw(st.booleans())
+    per_request = engine != "transformers-cb" or draw(st.booleans())
+    generation: dict = {"do_sample": sampled}
+    if engine == "transformers-cb":
+        generation["min_new_tokens"] = draw(st.sampled_from([None, None, 2, 6]))
+        generation["repetition_penalty"] = draw(st.sampled_from([None, None, 1.3]))
+    if sampled:
+        generation["min_p"] = draw(st.sampled_from([None, None, 0.1]))
+    persistent = engine != "hf-generate" and draw(st.booleans())
+    steps = []
+    for call in range(draw(st.integers(1, 3))):
+        if call:
+            between = draw(st.sampled_from(["none", "none", "train", "update_weights"]))
+            if between != "none":
+                steps.append(Step(between, seed=draw(st.integers(0, 2**16))))
+        reqs = draw(fuzz_request_groups(call=call, sampled=sampled, per_request=per_request))
+        steps.append(Step("call", tuple(reqs), staggered=persistent and len(reqs) > 1 and draw(st.booleans())))
+    requests = [r for s in steps for r in s.requests]
+    if engine == "transformers-cb":
+        page = draw(st.sampled_from([4, 8, 16]))
+        need = _blocks(requests, page)
+        config = dict(
+            page_size=page, num_blocks=need + draw(st.sampled_from([0, 1, 2, 4, 3 * need])),
+            max_batch_tokens=draw(st.sampled_from([4, 7, 16, 64, 256])),
+            scheduler_type=draw(st.sampled_from(["fifo", "prefill_first"])), allow_block_sharing=draw(st.booleans()),
+            max_requests_per_batch=draw(st.sampled_from([None, 1, 2, 4])), return_logprobs=draw(st.booleans()),
+            per_request_processors=per_request, seed=draw(st.integers(0, 2**31 - 1)),
+        )  # fmt: skip
+    elif engine == "cb_impl":
+        block = draw(st.sampled_from([1, 2, 4, 16]))
+        need = _blocks(requests, block)
+        config = dict(
+            block_size=block, num_blocks=need + draw(st.sampled_from([0, 1, 2, 3 * need])),
+            max_batch_tokens=draw(st.sampled_from([2, 5, 16, 512])), max_num_seqs=draw(st.sampled_from([1, 2, 256])),
+            enable_prefix_sharing=draw(st.booleans()),
+        )  # fmt: skip
+    elif engine == "hf-generate":
+        config = dict(max_batch_size=draw(st.sampled_from([None, 1, 2])), seed=draw(st.integers(0, 2**31 - 1)))
+    else:
+        raise ValueError(f"no fuzz cases for engine {engine!r}")
+    return FuzzCase(engine, model, persistent, config, generation, tuple(steps), caller_training=draw(st.booleans()))

@@ -1,0 +1,49 @@
+"""``cbverify fuzz``: registered findings still reproduce (strict), a written repro script reproduces its failure in
+a subprocess, a small derandomised search finds nothing unregistered, and a faulty session is caught."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from cbverify.fuzz import repro
+from cbverify.fuzz.findings import FUZZ_FINDINGS
+from cbverify.fuzz.run import Pristine, run_case
+from cbverify.fuzz.search import explore
+from property_tests import faulty
+
+DEFAULT_EXAMPLES = 8  # ~4 s each on one thread
+
+
+@pytest.mark.parametrize("finding", FUZZ_FINDINGS, ids=lambda f: f.id)
+def test_every_registered_fuzz_finding_still_reproduces(llama, finding):
+    """Strict: the day upstream fixes it, this fails and the registry entry is updated."""
+    pristine = Pristine(llama.model)
+    try:
+        checks = run_case(llama.model, finding.repro).checks
+    finally:
+        pristine.restore()
+    assert checks & set(finding.checks), f"{finding.id} no longer reproduces (FIXED?): {checks}"
+    assert all(finding.covers(c, finding.repro) for c in checks & set(finding.checks))
+
+
+def test_a_written_repro_script_reproduces_its_failure_standalone(tmp_path):
+    finding = next(f for f in FUZZ_FINDINGS if f.id == "cb-drops-min-new-tokens")
+    script = repro.write(tmp_path, finding.repro, "min-new-tokens", finding.evidence, finding.id)[-1]
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "min-new-tokens: REPRODUCED" in done.stdout
+
+
+def test_a_small_fuzz_of_transformers_cb_finds_only_registered_failures(llama):
+    report = explore(llama.model, "transformers-cb", model_name="tiny-llama-arith", examples=DEFAULT_EXAMPLES)
+    assert report.examples == DEFAULT_EXAMPLES
+    assert not report.unregistered, [(c.check, c.detail) for c in report.unregistered]
+
+
+def test_a_session_that_drops_the_last_request_is_caught(llama):
+    report = explore(llama.model, "transformers-cb", model_name="tiny-llama-arith", examples=4,
+                     session_factory=faulty.DropsLastRequest, engine_label="faulty:drops-last")  # fmt: skip
+    assert "lost-request" in {c.check for c in report.unregistered}
