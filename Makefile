@@ -10,7 +10,7 @@ export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PYTHONHASHSEED := 0
 
-.PHONY: verify test test-slow test-gpu bench lint models constraints clean
+.PHONY: verify test test-slow test-gpu bench fuzz lint models constraints clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,9 @@ test-slow: $(STAMP)
 
 test-gpu: $(STAMP)
 	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -m gpu
+
+fuzz: $(STAMP)  ## a long search of transformers CB's configurations and call patterns; repro scripts in fuzz-out/
+	$(BIN)/cbverify fuzz --engine transformers-cb --examples 200 --out fuzz-out
 
 bench: $(STAMP)
 	$(BIN)/python -m pytest -m bench --benchmark-autosave --benchmark-storage=bench-results/pytest
