@@ -144,9 +144,10 @@ class FlatLogprobBound:
 # (``cbverify.upstream.numerics``): a different computation from an engine's on a bf16 checkpoint, kept as measured.
 LOW_PRECISION = FlatLogprobBound(
     logprob_max_abs=5e-2,
-    logprob_mean_abs=1e-2,
+    logprob_mean_abs=2.5e-2,
     reason="bfloat16 autocast keeps 8 significant bits: TRL's trainer log-probs stay within 5e-2 of the float32 "
-    "oracle (mean 1e-2)",
+    "oracle; their mean reached 1.16e-2 on the re-initialised Qwen2 (logits of order 1, where a bf16 ulp is "
+    "4e-3 .. 8e-3), so the mean bound is 2x that",
 )
 
 
@@ -235,25 +236,16 @@ class Tolerance:
         return self.max_abs + self.rel * abs(value)
 
 
-# Golden noise, measured with ``python -m cbverify.golden.measure_noise`` and by teacher-forcing every committed golden
-# on two CPUs (max |Δ|, |mean Δ| over every position of every request; full table in golden/README.md):
-# - recording machine (AMD EPYC, AVX512, torch 2.13.0+cpu, transformers 5.24.0, 2 threads), fresh process: 0 / 0
-#   (the reference is bitwise reproducible); 1 thread instead of 2: float32 <= 2.4e-7 / 1.0e-8, bfloat16 0 / 0;
-# - another CPU (AMD EPYC with AVX2 kernels, 1 thread), the reference teacher-forced on the goldens: float32 sampled
-#   and full-support log-probs <= 6.8e-7, top-5 log-probs <= 2.0e-5 (at a log-prob of -3.3; <= 6e-6 x |value|);
-#   bfloat16 log-probs <= 2.1e-3, top-5 log-probs <= 0.14 at a log-prob of -13.45 (1.05e-2 x |value|: two bf16
-#   ulps of logits of that size, 2^-8 relative each);
-# - engines (batched, padded or paged) vs golden: float32 <= 1.3e-6 / 3.6e-8, bfloat16 <= 3.1e-3 / 3.3e-4 at 2
-#   threads, 2.1e-2 / 2.7e-4 for cb_impl at 1 thread (Llama greedy), no token divergence;
-# - the signal (N(0, 1e-3) on one layer's ``mlp.down_proj``): float32 full-support >= 2.3e-3 max, processed >= 1.8e-4
-#   max; bfloat16 2.5e-3 .. 7.1e-3 max.
+# Golden noise: the measurements (fresh process, threads, another CPU's kernels, engines, and the 1e-3 perturbation
+# signal) are tabled in golden/README.md; ``python -m cbverify.golden.measure_noise`` re-measures them.
 _GOLDEN_FP32 = Tolerance(5e-5, 1e-6, "another CPU's kernels move float32 top-5 log-probs by up to 2.0e-5 (1 thread "
                          "instead of 2: 2.4e-7): 2.5x margin, still 3.6x below the smallest perturbation signal "
                          "(1.8e-4); the mean drift stays below 1e-8 everywhere: 100x margin")  # fmt: skip
-_GOLDEN_BF16 = Tolerance(5e-2, 1e-3, "one bf16 ulp of a logit in [2, 4) is 2^-6 = 1.6e-2, and a low-ranked token's "
+_GOLDEN_BF16 = Tolerance(5e-2, 3e-3, "one bf16 ulp of a logit in [2, 4) is 2^-6 = 1.6e-2, and a low-ranked token's "
                          "log-prob carries the rounding of logits of its own size: 2^-8 relative per ulp, measured "
                          "1.05e-2 x |value| (two ulps) on another CPU, so rel = 4 ulps; a 1e-3 weight perturbation "
-                         "(<= 7.1e-3) is below that: the float32 goldens are the sensitive guard",
+                         "(<= 7.1e-3) is below that: the float32 goldens are the sensitive guard; mean drift 2x the "
+                         "1.45e-3 of cb_impl on the re-initialised Qwen2 (logits of order 1)",
                          rel=4 * 2**-8)  # fmt: skip
 _NO_FP16 = "as bfloat16 (no float16 goldens recorded yet; re-measure when adding them)"
 # The reference re-run against its own golden (teacher-forced and re-generated log-probs), and any engine's sampling
@@ -262,7 +254,7 @@ _NO_FP16 = "as bfloat16 (no float16 goldens recorded yet; re-measure when adding
 GOLDEN_LOGPROBS: dict[str, Tolerance] = {
     "float32": _GOLDEN_FP32,
     "bfloat16": _GOLDEN_BF16,
-    "float16": Tolerance(5e-2, 1e-3, _NO_FP16, rel=4 * 2**-8),
+    "float16": Tolerance(5e-2, 3e-3, _NO_FP16, rel=4 * 2**-8),
 }
 # The 5-step GRPO trajectory (float32 only), per metric. Measured: a fresh process and 1 thread instead of 2 reproduce
 # all 5 steps exactly (0 / 0). Recorded magnitudes: loss 3e-17 .. 1.7e-4 (~beta * KL), grad norm 6e-5 .. 2.0.
