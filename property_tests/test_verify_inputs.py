@@ -152,3 +152,39 @@ def test_verify_refuses_bad_input_in_one_line_with_exit_2(tmp_path, capsys, extr
     assert main(["verify", "--engines", "cb_impl", "--num-prompts", "1", "--dist-samples", "0", *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_verify_runs_the_real_checkpoint_path_on_the_bundled_chat_model(tmp_path, capsys):
+    """The bundled Qwen3-style chat checkpoint end to end: its byte-level BPE tokenizer and chat template render the
+    built-in conversations, both EOS ids of its generation config reach every request, the recipe's sampling and
+    group size are used, and every engine passes."""
+    from cbverify.checkpoint import open_checkpoint
+    from cbverify.workload import build_workload
+
+    ckpt = open_checkpoint("tiny-qwen3-chat")
+    assert len(ckpt.eos_token_ids) == 2 and not ckpt.arithmetic and ckpt.tokenizer.chat_template
+    workload = build_workload(ckpt, prompts_file=None, num_prompts=2, seed=0, max_new_tokens=12)
+    generation_prompt = ckpt.tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    conversation = workload.requests[workload.group_size + 1]  # the second prompt: the first conversation
+    assert list(conversation.prompt_ids[-len(generation_prompt) :]) == generation_prompt
+    argv = [
+        "verify",
+        "--model",
+        "tiny-qwen3-chat",
+        "--grpo-config",
+        "examples/grpo_recipe.yaml",
+        "--num-prompts",
+        "2",
+        "--max-new-tokens",
+        "12",
+        "--dist-samples",
+        "0",
+        "--no-pressure",
+        "--json",
+        str(tmp_path / "r.json"),
+    ]
+    assert main(argv) == 0, capsys.readouterr().out
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [r["status"] for r in report["engines"]] == ["PASS"] * 4
+    assert report["environment"]["eos_token_ids"] == str(list(ckpt.eos_token_ids))
+    assert "T=0.8/k=20/p=0.95/min_p=0.02" in report["environment"]["sampled"]
