@@ -220,7 +220,7 @@ def readme(figures: dict, command: str, seed: int) -> str:
 
 def build(out_dir: Path, *, seed: int, steps: int, batch_size: int, command: str, log) -> dict:
     """Train the tokenizer and the model, save them to ``out_dir / NAME``, measure and write the README."""
-    from cbverify.models import load  # measure exactly what was saved
+    from reference.models import load  # measure exactly what was saved
 
     tokenizer = build_tokenizer(seed=seed)
     model, figures = train(tokenizer, seed=seed, steps=steps, batch_size=batch_size, log=log)

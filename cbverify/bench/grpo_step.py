@@ -81,7 +81,7 @@ def run_case(path: str, n: int, cfg: GrpoConfig, out_dir: str) -> dict:
     extra: dict = {}
     if path == "transformers-cb":
         extra["use_transformers_continuous_batching"] = True
-        if not cuda:  # CPU: explicit small sizes (UPSTREAM.md); one 256-token page per request fits prompt + 128
+        if not cuda:  # CPU: explicit sizes (defaults reserve GBs); one 256-token page per request fits prompt + 128
             extra["transformers_continuous_batching_config"] = {"num_blocks": batch, "max_batch_tokens": 512}
     args = GRPOConfig(
         output_dir=str(Path(out_dir) / f"trainer-{path}-{n}"), use_cpu=not cuda, bf16=cuda, num_generations=n,

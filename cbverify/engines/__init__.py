@@ -1,4 +1,4 @@
-"""The Engine protocol (DESIGN §2), capability declarations, and the registry of every system under test.
+"""The Engine protocol, capability declarations, and the registry of every system under test.
 
 Contract of an engine: ``generate(requests) -> list[Rollout]`` returns one rollout per request, in request order; an
 engine that cannot serve a request raises :class:`NotApplicable` naming the reason (never a silent fallback), and an
@@ -143,7 +143,7 @@ def check_unique_ids(engine: str, requests: Sequence[RolloutRequest]) -> None:
 
 
 def finish_rollout(request: RolloutRequest, tokens: Sequence[int], logprobs: Sequence[float]) -> Rollout:
-    """Cut ``tokens`` at the first EOS (kept) and at ``max_new_tokens``; set ``finish_reason`` (DESIGN §2).
+    """Cut ``tokens`` at the first EOS (kept) and at ``max_new_tokens``; set ``finish_reason`` (``Rollout``).
 
     For adapters whose upstream keeps going past a request's own limits (a shared ``max_new_tokens`` or a shared
     EOS set). ``logprobs`` must be as long as ``tokens``.

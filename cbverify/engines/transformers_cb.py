@@ -13,7 +13,7 @@ What the adapter relies on (read in the installed 5.24 source, ``continuous_api.
   passes its own ``temperature``, ``top_k`` (0 -> vocab size: CB's top-k has no "disabled" value) and ``top_p``.
 - Log-probs (``return_logprobs=True``): ``log(softmax(processed_scores)[token])`` in float32, i.e. *processed*
   semantics when sampling and ``log_softmax(logits)`` when greedy (no processors are built) — the spec's semantics.
-- EOS: ``eos_token_id=[]`` means "no EOS"; an EOS is appended to ``generated_tokens`` (DESIGN §2 convention).
+- EOS: ``eos_token_id=[]`` means "no EOS"; an EOS is appended to ``generated_tokens`` (the ``Rollout`` convention).
 - Randomness: ``torch.multinomial`` on torch's global RNG, which the manager itself reseeds (``torch.manual_seed``)
   from ``ContinuousBatchingConfig.seed``; the adapter passes its ``seed`` option and restores the caller's RNG.
 
