@@ -34,9 +34,9 @@ def script_text(case: FuzzCase, check: str) -> str:
 
 
 def write(out: Path, case: FuzzCase, check: str, detail: str, finding: str | None) -> list[Path]:
-    """``<out>/<engine>-<check>.py`` (transformers-cb) and ``.json``; returns the paths written."""
+    """``<out>/<engine>-<check>[-<finding>].py`` (transformers-cb) and ``.json``; returns the paths written."""
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{case.engine}-{check.replace(':', '-')}"
+    stem = f"{case.engine}-{check.replace(':', '-')}" + (f"-{finding}" if finding else "")
     record = {"check": check, "detail": detail, "finding": finding, "versions": versions(), "case": case.to_json()}
     paths = [out / f"{stem}.json"]
     paths[0].write_text(json.dumps(record, indent=1, sort_keys=True))

@@ -1,7 +1,8 @@
-"""The search: Hypothesis draws cases (:func:`cbverify.fuzz.strategies.fuzz_cases`), each is run and judged; every
-failing check is a failure class, classified against :data:`cbverify.fuzz.findings.FUZZ_FINDINGS` (XFAIL when a
-registered finding covers it, FAIL otherwise). A class's first failing case is then shrunk (drop steps, calls and
-requests, shorten prompts and completions, one manager per call) while the same check keeps failing.
+"""The search: Hypothesis draws cases (:func:`cbverify.fuzz.strategies.fuzz_cases`), each is run and judged. A failure
+class is a failing check together with the registered finding that covers that instance
+(:data:`cbverify.fuzz.findings.FUZZ_FINDINGS`), or none: XFAIL(<finding>) when one covers it, FAIL otherwise. A
+class's first failing case is then shrunk (drop steps, calls and requests, shorten prompts and completions, one
+manager per call) while the same check keeps failing.
 """
 
 from __future__ import annotations
@@ -58,13 +59,12 @@ def explore(model, engine: str, *, model_name: str, examples: int, seed: int = 0
         report.examples += 1
         report.explored.update(outcome.features)
         report.configs.update(_config_keys(case))
-        for f in outcome.failures:
-            cls = report.classes.get(f.check)
+        for f in outcome.failures:  # a class is (check, the finding that explains it or none)
+            finding = covering(engine_label or engine, f.check, case)
+            key = f"{f.check}:{finding.id if finding else 'unregistered'}"
+            cls = report.classes.get(key)
             if cls is None:
-                finding = covering(engine_label or engine, f.check, case)
-                cls = report.classes[f.check] = FailureClass(f.check, case, f.detail, finding=finding and finding.id)
-            elif cls.finding is not None and covering(engine_label or engine, f.check, case) is None:
-                cls.case, cls.detail, cls.finding = case, f.detail, None  # an instance no finding explains
+                cls = report.classes[key] = FailureClass(f.check, case, f.detail, finding=finding and finding.id)
             cls.examples += 1
 
     one()
