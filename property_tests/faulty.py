@@ -206,4 +206,51 @@ def _drop_last(session, result):
     return result
 
 
+def _reuse_id(session, result, _seen: dict = {}):  # noqa: B006 - the ids each session has already answered
+    from dataclasses import replace as dc_replace
+
+    previous = _seen.setdefault(id(session), [])
+    if previous and result.raw:  # answer the call's first request under an id from an earlier call
+        result.raw = [dc_replace(result.raw[0], request_id=previous[0]), *result.raw[1:]]
+        result.ordered = _order_like(result)
+    previous += [o.request_id for o in result.raw]
+    return result
+
+
+def _order_like(result):
+    """The call's answers per request, re-read from ``raw`` by request id (as the session orders them)."""
+    wanted = [o.request_id if o is not None else None for o in result.ordered]
+    by_id = {o.request_id: o for o in result.raw}
+    return [by_id.get(rid) for rid in wanted]
+
+
+def _leave_eval(session, result):
+    session.model.eval()
+    return result
+
+
+def _reorder_after_eviction(session, result):
+    if result.evictions:
+        result.ordered = list(reversed(result.ordered))
+    return result
+
+
 DropsLastRequest = _fuzz_session(_drop_last)
+ReusesRequestId = _fuzz_session(_reuse_id)
+LeavesEvalMode = _fuzz_session(_leave_eval)
+ReordersAfterEviction = _fuzz_session(_reorder_after_eviction)
+
+
+def _ignores_min_new_tokens():
+    from cbverify.fuzz.drivers import Session
+
+    class IgnoresMinNewTokens(Session):
+        def _gen_config(self):
+            config = super()._gen_config()
+            config.min_new_tokens = None
+            return config
+
+    return IgnoresMinNewTokens
+
+
+IgnoresMinNewTokens = _ignores_min_new_tokens()

@@ -47,3 +47,39 @@ def test_a_session_that_drops_the_last_request_is_caught(llama):
     report = explore(llama.model, "transformers-cb", model_name="tiny-llama-arith", examples=4,
                      session_factory=faulty.DropsLastRequest, engine_label="faulty:drops-last")  # fmt: skip
     assert "lost-request" in {c.check for c in report.unregistered}
+
+
+@pytest.mark.parametrize(
+    ("fault", "check"),
+    [("ReusesRequestId", "lost-request"), ("LeavesEvalMode", "state:training-mode"),
+     ("IgnoresMinNewTokens", "min-new-tokens")],
+)  # fmt: skip
+def test_each_faulty_cb_session_is_caught_by_the_small_fuzz(llama, fault, check):
+    """A wrapped engine is never covered by the real engine's findings, so its failures are all unregistered; the
+    fault's own check must be among them (eval mode and min_new_tokens are also real CB findings: the check that
+    flags the real engine is the one that flags the wrapper)."""
+    report = explore(llama.model, "transformers-cb", model_name="tiny-llama-arith", examples=4,
+                     session_factory=getattr(faulty, fault), engine_label=f"faulty:{fault}")  # fmt: skip
+    assert check in {c.check for c in report.unregistered}
+
+
+def test_results_reordered_after_an_eviction_are_caught(llama):
+    """A cache of 6 pages of 4 tokens for 6 requests of 8 + 16 tokens: the manager must evict; only then does the
+    faulty session reorder its answers, and the judge must see it where the real session passes the same checks."""
+    from cbverify.fuzz.case import FuzzCase, FuzzRequest, Step
+    from reference import tasks
+
+    requests = tuple(FuzzRequest(f"r{i}", tuple(tasks.prompt_ids(p))[:8], 16, ()) for i, p in
+                     enumerate(tasks.make_problems(6, seed=3)))  # fmt: skip
+    case = FuzzCase("transformers-cb", "tiny-llama-arith", persistent=False, generation={"do_sample": False},
+                    config={"page_size": 4, "num_blocks": 6, "max_batch_tokens": 8, "return_logprobs": True},
+                    steps=(Step("call", requests),))  # fmt: skip
+    outcomes = {}
+    for name, factory in (("real", None), ("faulty", faulty.ReordersAfterEviction)):
+        pristine = Pristine(llama.model)
+        try:
+            outcomes[name] = run_case(llama.model, case, *(() if factory is None else (factory,)))
+        finally:
+            pristine.restore()
+    assert "evicted" in outcomes["real"].features and "evicted" in outcomes["faulty"].features
+    assert outcomes["faulty"].checks - outcomes["real"].checks, (outcomes["faulty"].checks, outcomes["real"].checks)
