@@ -34,6 +34,7 @@ test-gpu: $(STAMP)
 
 fuzz: $(STAMP)  ## a long search of transformers CB's configurations and call patterns; repro scripts in fuzz-out/
 	$(BIN)/cbverify fuzz --engine transformers-cb --examples 200 --out fuzz-out
+	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest property_tests/test_cb_state_machine.py --max-examples 400
 
 bench: $(STAMP)
 	$(BIN)/python -m pytest -m bench --benchmark-autosave --benchmark-storage=bench-results/pytest

@@ -8,6 +8,9 @@ teardown every admitted request has finished exactly once, with the tokens the f
 
 from __future__ import annotations
 
+from collections import Counter
+
+import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -16,6 +19,8 @@ from cb_impl.scheduler import Scheduler
 from cb_impl.sequence import Sequence, SequenceStatus
 
 EOS = 0
+# What every run of the machine did, summed over the session and printed at the end (``make fuzz`` runs it long).
+TALLY: Counter = Counter()
 
 
 def fake_token(seq_id: int, position: int) -> int:
@@ -52,6 +57,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.sched.has_unfinished())
     @rule()
     def step(self):
+        TALLY["scheduler steps"] += 1
         waiting_before = [s.seq_id for s in self.sched.waiting]
         running_before = {s.seq_id for s in self.sched.running}
         batch = self.sched.schedule()
@@ -108,6 +114,11 @@ class SchedulerMachine(RuleBasedStateMachine):
                 break
             self.step()
         assert not self.sched.has_unfinished(), "the scheduler stopped making progress"
+        TALLY["requests"] += len(self.all)
+        TALLY["lost requests"] += len(set(self.all) - set(self.finished))
+        TALLY["duplicated results"] += len(self.finished) - len(set(self.finished))
+        TALLY["leaked blocks"] += self.bm.num_blocks - self.bm.num_free_blocks
+        TALLY["preemptions"] += self.sched.num_preemptions
         assert sorted(self.finished) == sorted(self.all), "a request was lost or finished twice"
         assert self.bm.num_free_blocks == self.bm.num_blocks, "blocks leaked"
         for seq in self.all.values():
@@ -120,3 +131,12 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase
+
+
+@pytest.fixture(scope="module", autouse=True)
+def print_tally(request):
+    """After the module, one line of what the machine exercised (in the terminal summary; not under ``-q``)."""
+    yield
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and TALLY:
+        reporter.write_line("scheduler state machine: " + ", ".join(f"{v} {k}" for k, v in sorted(TALLY.items())))
