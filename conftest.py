@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import NamedTuple
 
 import pytest
@@ -25,6 +26,13 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--max-examples", type=int, default=None, help="override Hypothesis max_examples for this run")
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Print what tests measured without asserting (``property_tests.helpers.SUMMARY``)."""
+    helpers = sys.modules.get("property_tests.helpers")
+    for line in getattr(helpers, "SUMMARY", []):
+        terminalreporter.write_line(line)
 
 
 def pytest_configure(config: pytest.Config) -> None:

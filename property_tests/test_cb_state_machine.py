@@ -17,6 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from cb_impl.block_manager import BlockManager, blocks_for
 from cb_impl.scheduler import Scheduler
 from cb_impl.sequence import Sequence, SequenceStatus
+from property_tests.helpers import SUMMARY
 
 EOS = 0
 # What every run of the machine did, summed over the session and printed at the end (``make fuzz`` runs it long).
@@ -134,9 +135,8 @@ TestSchedulerMachine = SchedulerMachine.TestCase
 
 
 @pytest.fixture(scope="module", autouse=True)
-def print_tally(request):
-    """After the module, one line of what the machine exercised (in the terminal summary; not under ``-q``)."""
+def print_tally():
+    """After the module, one line of what the machine exercised, in pytest's terminal summary."""
     yield
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None and TALLY:
-        reporter.write_line("scheduler state machine: " + ", ".join(f"{v} {k}" for k, v in sorted(TALLY.items())))
+    if TALLY:
+        SUMMARY.append("scheduler state machine: " + ", ".join(f"{v} {k}" for k, v in sorted(TALLY.items())))
