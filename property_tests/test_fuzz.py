@@ -83,3 +83,14 @@ def test_results_reordered_after_an_eviction_are_caught(llama):
             pristine.restore()
     assert "evicted" in outcomes["real"].features and "evicted" in outcomes["faulty"].features
     assert outcomes["faulty"].checks - outcomes["real"].checks, (outcomes["faulty"].checks, outcomes["real"].checks)
+
+
+def test_a_written_json_record_replays_as_the_same_case(tmp_path):
+    """The JSON next to each repro script is enough to re-run the case with ``FuzzCase.from_json``."""
+    import json
+
+    from cbverify.fuzz.case import FuzzCase
+
+    finding = FUZZ_FINDINGS[0]
+    record = repro.write(tmp_path, finding.repro, "x", "detail", finding.id)[0]
+    assert FuzzCase.from_json(json.loads(record.read_text())["case"]) == finding.repro
