@@ -98,16 +98,7 @@ def qwen2_figures(model) -> dict:
 def _batch(problems: list[tasks.ArithProblem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded (input_ids, attention_mask, labels); labels cover the completion and its EOS only."""
     rows = [(tasks.prompt_ids(p), tasks.encode(p.completion) + [tasks.EOS_ID]) for p in problems]
-    width = max(len(a) + len(b) for a, b in rows)
-    ids = torch.full((len(rows), width), tasks.PAD_ID)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    labels = torch.full((len(rows), width), -100)
-    for i, (prompt, completion) in enumerate(rows):
-        n = len(prompt) + len(completion)
-        ids[i, :n] = torch.tensor(prompt + completion)
-        mask[i, :n] = 1
-        labels[i, len(prompt) : n] = torch.tensor(completion)
-    return ids, mask, labels
+    return build_qwen3_chat.batch(rows, tasks.PAD_ID)
 
 
 @torch.no_grad()
