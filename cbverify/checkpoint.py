@@ -20,9 +20,6 @@ from pathlib import Path
 from reference import tasks
 from reference.models import load_tokenizer, parse_dtype, resolve
 
-CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "max_seq_len",
-                  "n_ctx")  # fmt: skip
-
 
 @dataclass(frozen=True)
 class Checkpoint:
@@ -60,14 +57,14 @@ def _config(path: Path) -> dict:
         raise ValueError(f"{path / 'config.json'} is not valid JSON: {err.msg}") from None
 
 
-def context_length(config: dict) -> int | None:
-    """The context length a config declares, under any of the names architectures use for it."""
-    sub = config.get("text_config") or {}
-    for name in CONTEXT_FIELDS:
-        for source in (config, sub):
-            if isinstance(source.get(name), int) and source[name] > 0:
-                return source[name]
-    return None
+def context_length(path: Path) -> int | None:
+    """The context length the config declares, read as the engines read it (``cb_impl.support.context_length``:
+    any of the names architectures use for it, on the text config); ``None`` when it declares none."""
+    from transformers import AutoConfig
+
+    from cb_impl.support import context_length as declared
+
+    return declared(AutoConfig.from_pretrained(path, local_files_only=True).get_text_config()) or None
 
 
 def preflight(name_or_path: str | Path) -> Path:
@@ -105,4 +102,4 @@ def open_checkpoint(name_or_path: str | Path) -> Checkpoint:
     if pad is None:
         raise ValueError(f"{path}: the tokenizer has neither a pad nor an EOS token (TRL needs one to pad)")
     return Checkpoint(str(name_or_path), path, tokenizer, eos_token_ids(path, tokenizer), int(pad),
-                      context_length(_config(path)))  # fmt: skip
+                      context_length(path))  # fmt: skip

@@ -1,6 +1,7 @@
 """Hypothesis strategies: plural-noun ``@st.composite`` functions with keyword-only bounds.
 
-Every model-backed property draws its scenario from here, so a failing example prints as a complete repro.
+Every model-backed property draws its scenario from here, so a failing example prints as a complete repro. The one
+exception is the fuzzer's: ``cbverify fuzz`` draws from them itself, so they live in ``cbverify.fuzz.strategies``.
 """
 
 from __future__ import annotations
@@ -244,6 +245,7 @@ def trainer_scenarios(
     RLOO is drawn only for the paths it offers (not ``rollout_func``); the rollout_func backend is ``cb_impl``'s
     adapter or the reference generator."""
     from cbverify.upstream.scenario import TrainerScenario
+    from reference.loss import LOSS_TYPES
 
     path = draw(st.sampled_from(paths))
     is_greedy = draw(st.booleans()) if greedy is None else greedy
@@ -255,7 +257,7 @@ def trainer_scenarios(
         top_p=draw(st.sampled_from([1.0, 1.0, 0.8])), min_p=draw(st.sampled_from([0.0, 0.0, 0.2])), greedy=is_greedy,
         bf16=draw(st.booleans()) if bf16 is None else bf16,
         gradient_accumulation_steps=draw(st.integers(1, 2)),
-        loss_type=draw(st.sampled_from(["dapo", "grpo", "bnpo", "dr_grpo", "cispo"])),
+        loss_type=draw(st.sampled_from(LOSS_TYPES)),
         importance_sampling_level=draw(st.sampled_from(["token", "sequence"])),
         is_correction=draw(st.booleans()), is_mode=draw(st.sampled_from(["sequence_mask", "token_truncate"])),
         max_steps=draw(st.integers(*max_steps)), seed=draw(st.integers(0, 2**16)),
@@ -296,7 +298,3 @@ def grpo_sampling_fields(draw) -> dict:
         top_k=draw(st.sampled_from([0, 5])), min_p=draw(st.sampled_from([None, 0.05])),
         max_completion_length=draw(st.integers(1, 64)),
     )  # fmt: skip
-
-
-# The fuzzer's strategies (``cbverify fuzz`` draws from them, so they live in the cbverify layer; re-exported here).
-from cbverify.fuzz.strategies import fuzz_cases, fuzz_request_groups  # noqa: E402, F401

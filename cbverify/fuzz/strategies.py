@@ -1,5 +1,5 @@
-"""Hypothesis strategies of the fuzzer (re-exported by ``property_tests/strategies.py``, the suite's one place for
-strategies; they live here because ``cbverify fuzz`` draws from them and ``cbverify`` may not import the tests).
+"""Hypothesis strategies of the fuzzer. The suite's other strategies are in ``property_tests/strategies.py``; these
+live here because ``cbverify fuzz`` draws from them and ``cbverify`` may not import the tests.
 
 Everything is drawn small enough for a CPU: prompts up to 40 tokens (longer than a page and than the smallest token
 budgets), completions up to 10 tokens, 1-3 calls of 1-3 GRPO groups of 1-3 samples.
