@@ -7,11 +7,13 @@ import subprocess
 import sys
 
 import pytest
+import transformers
 
 from cbverify.fuzz import repro
 from cbverify.fuzz.findings import FUZZ_FINDINGS
 from cbverify.fuzz.run import Pristine, run_case
 from cbverify.fuzz.search import explore
+from cbverify.upstream.findings import transformers_in
 from property_tests import faulty
 
 DEFAULT_EXAMPLES = 4  # ~4 s each on one thread: the default suite keeps the fuzz under a minute
@@ -19,12 +21,20 @@ DEFAULT_EXAMPLES = 4  # ~4 s each on one thread: the default suite keeps the fuz
 
 @pytest.mark.parametrize("finding", FUZZ_FINDINGS, ids=lambda f: f.id)
 def test_every_registered_fuzz_finding_still_reproduces(llama, finding):
-    """Strict: the day upstream fixes it, this fails and the registry entry is updated."""
+    """Strict both ways (``cbverify matrix`` runs it on every release): inside the finding's ``transformers`` range
+    the repro must fail as registered (the day upstream fixes it this fails and the entry is updated), outside it
+    the repro must pass (else the range is mis-scoped)."""
     pristine = Pristine(llama.model)
     try:
         checks = run_case(llama.model, finding.repro).checks
     finally:
         pristine.restore()
+    if not transformers_in(finding.transformers):
+        assert not checks & set(finding.checks), (
+            f"{finding.id} reproduces on transformers {transformers.__version__}, outside its registered range "
+            f"{finding.transformers!r}: {checks}"
+        )
+        return
     assert checks & set(finding.checks), f"{finding.id} no longer reproduces (FIXED?): {checks}"
     assert all(finding.covers(c, finding.repro) for c in checks & set(finding.checks))
 

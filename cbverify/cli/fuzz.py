@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 
@@ -12,6 +13,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--examples", type=int, default=50, help="cases to draw (~4 s each for transformers-cb)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="write one repro script + JSON per failure class")
+    parser.add_argument("--json", type=Path, default=None, help="also write what was explored and found as JSON")
     parser.add_argument("--shrink-runs", type=int, default=12, help="re-runs allowed to shrink each failure class")
 
 
@@ -39,4 +41,10 @@ def run(args) -> int:
     if not report.classes:
         print("  no failures")
     print(f"total {report.seconds:.1f}s; {len(report.unregistered)} unregistered failure classes")
+    if args.json is not None:
+        classes = [{"check": c.check, "finding": c.finding, "examples": c.examples, "detail": c.detail[:300]}
+                   for c in report.classes.values()]  # fmt: skip
+        payload = {"engine": args.engine, "examples": report.examples, "seconds": round(report.seconds, 1),
+                   "explored": dict(report.explored), "classes": classes}  # fmt: skip
+        args.json.write_text(json.dumps(payload, indent=2))
     return 1 if report.unregistered else 0

@@ -1,17 +1,24 @@
-"""``cbverify matrix``: the upstream checks across transformers (x trl) versions (see ``cbverify.upstream.matrix``)."""
+"""``cbverify matrix``: the upstream checks, the compatibility tests, ``verify`` and optionally the fuzzer across
+transformers (x trl) versions, one cached venv each (see ``cbverify.upstream.matrix`` and ``matrix_checks``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from cbverify.upstream.matrix import REPO, combo_name, ensure_venv, render_markdown, render_text, run_combo, table
+from cbverify.upstream.matrix import REPO, combo_name, ensure_base, ensure_venv, minor_releases
+from cbverify.upstream.matrix_checks import render_markdown, render_text, run_combo, table
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--transformers", nargs="+", required=True, help="transformers versions or checkout paths")
+    parser.add_argument("--transformers", nargs="+", default=[], help="transformers versions or checkout paths")
+    parser.add_argument(
+        "--all-minors", metavar="FROM", default=None,
+        help="also every minor release from FROM (e.g. 5.8), the newest patch of each, as the package index lists",
+    )  # fmt: skip
     parser.add_argument("--trl", nargs="+", default=[None], help="trl versions or checkout paths (default: pinned)")
     parser.add_argument("--venv-dir", type=Path, default=REPO / ".matrix-venvs", help="where the cached venvs live")
     parser.add_argument(
@@ -22,43 +29,50 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--random-model", action="store_true", help="--model's architecture with seeded random weights"
     )
     parser.add_argument("--path", choices=("generate", "cb", "rollout_func"), help="only scenarios on this path")
-    parser.add_argument("--timeout", type=int, default=3600, help="seconds allowed per combination's check run")
+    parser.add_argument("--fuzz", type=int, default=0, metavar="N", help="also run N fuzz examples of transformers-cb")
+    parser.add_argument("--jobs", type=int, default=1, help="combinations checked at once (each uses ~1 core)")
+    parser.add_argument("--timeout", type=int, default=3600, help="seconds allowed per step of a combination")
 
 
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    combos = [(t, r) for t in args.transformers for r in args.trl]
+    versions = list(args.transformers) + (minor_releases(args.all_minors) if args.all_minors else [])
+    if not versions:
+        raise SystemExit("cbverify matrix: give --transformers VERSION ... and/or --all-minors FROM")
+    combos = [(t, r) for t in dict.fromkeys(versions) for r in args.trl]
     args.venv_dir.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    columns: dict[str, dict | str] = {}
-    timings: dict[str, float] = {}
-    ok = True
-    with (args.out / "matrix.log").open("w") as log:
-        for transformers, trl in tqdm(combos, desc="matrix", unit="combo"):
-            name = combo_name(transformers, trl)
-            start = time.perf_counter()
-            tqdm.write(f"[{name}] preparing venv")
-            error = ensure_venv(args.venv_dir / name, transformers, trl, log)
-            if error is None:
-                tqdm.write(f"[{name}] running the upstream checks")
-                payload, note = run_combo(args.venv_dir / name, args, args.out / f"{name}.json", log)
-                error = None if payload is not None else note
-            columns[name] = payload if error is None else error
-            timings[name] = round(time.perf_counter() - start, 1)
-            if error:
-                ok = False
-                tqdm.write(f"[{name}] {error}")
-            else:
-                ok &= all(r["ok"] for r in payload["results"])
-                tqdm.write(f"[{name}] done in {timings[name]} s ({note})")
+    with (args.out / "base.log").open("w") as log:
+        base = ensure_base(args.venv_dir, log)
+    if isinstance(base, str):
+        raise SystemExit(f"cbverify matrix: {base}")
+    bar = tqdm(total=len(combos), desc="matrix", unit="combo")
+
+    def one(combo: tuple[str, str | None]) -> tuple[str, dict | str, float]:
+        name, start = combo_name(*combo), time.perf_counter()
+        with (args.out / f"{name}.log").open("w") as log:
+            error = ensure_venv(args.venv_dir / name, *combo, log)
+            payload = run_combo(args.venv_dir / name, args, args.out, name, log) if error is None else error
+        seconds = round(time.perf_counter() - start, 1)
+        bad = payload if isinstance(payload, str) else [r["check"] for r in payload["results"] if not r["ok"]]
+        tqdm.write(f"[{name}] {seconds} s: " + (f"unexpected: {bad}" if bad else "as expected"))
+        bar.update()
+        return name, payload, seconds
+
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        done = list(pool.map(one, combos))
+    bar.close()
+    columns = {name: payload for name, payload, _ in done}
+    timings = {name: seconds for name, _, seconds in done}
+    ok = all(isinstance(p, dict) and all(r["ok"] for r in p["results"]) for p in columns.values())
     header, rows = table(columns)
-    versions = {n: p["versions"] if isinstance(p, dict) else p for n, p in columns.items()}
-    (args.out / "matrix.json").write_text(json.dumps({"versions": versions, "seconds": timings, "header": header,
-                                                      "rows": rows}, indent=2))  # fmt: skip
+    versions_seen = {n: p["versions"] if isinstance(p, dict) else p for n, p in columns.items()}
+    (args.out / "matrix.json").write_text(json.dumps({"versions": versions_seen, "seconds": timings,
+                                                      "header": header, "rows": rows}, indent=2))  # fmt: skip
     md = render_markdown(header, rows) + "\n\n" + "\n".join(f"- `{n}`: {s} s" for n, s in timings.items())
     (args.out / "matrix.md").write_text(md + "\n")
     print(render_text(header, rows))
-    print("\n" + "\n".join(f"{n}: {v}  ({timings[n]} s)" for n, v in versions.items()))
+    print("\n" + "\n".join(f"{n}: {v}  ({timings[n]} s)" for n, v in versions_seen.items()))
     print(f"wrote {args.out / 'matrix.json'} and {args.out / 'matrix.md'}")
     return 0 if ok else 1

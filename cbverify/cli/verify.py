@@ -180,9 +180,11 @@ def _evaluate(name, model, requests, reference, tier, repro, dist, dist_samples,
         return report.EngineRow(name, problems=[f"construction failed: {type(err).__name__}: {err}"])
     row = report.evaluate_engine(engine, model, requests, reference, tier, repro=repro, dist_requests=dist,
                                  dist_samples=dist_samples)  # fmt: skip
-    stats = (getattr(engine, "last_run", None) and engine.last_run.extra.get("stats")) or {}
-    if stats:
-        row.notes.append(", ".join(f"{stats.get(k, 0)} {label}" for k, label in CB_IMPL_EVENTS.items()))
+    extra = engine.last_run.extra if getattr(engine, "last_run", None) else {}
+    if extra.get("stats"):
+        row.notes.append(", ".join(f"{extra['stats'].get(k, 0)} {label}" for k, label in CB_IMPL_EVENTS.items()))
+    if "evictions" in extra:  # transformers CB: requests offloaded or soft-reset for lack of KV blocks
+        row.notes.append(f"{extra['evictions']} eviction events")
     return row
 
 

@@ -1,6 +1,7 @@
-"""transformers continuous batching (``generation/continuous_batching``, 5.24) through its manager.
+"""transformers continuous batching (``generation/continuous_batching``, 5.8 to 5.24) through its manager.
 
-What the adapter relies on (read in the installed 5.24 source, ``continuous_api.py``, ``cb_logits_processors.py``,
+What the adapter relies on (read in the 5.24 source; what older releases name differently is in
+:mod:`cbverify.engines.transformers_compat`; ``continuous_api.py``, ``cb_logits_processors.py``,
 ``model_runner.py``, ``requests.py``):
 
 - ``generate_batch`` takes one ``max_new_tokens`` for all prompts and *logs and swallows* exceptions, returning
@@ -44,9 +45,9 @@ from contextlib import nullcontext
 
 import torch
 from transformers import GenerationConfig
-from transformers.generation import ContinuousBatchingConfig
 
 from cbverify.engines import Capabilities, EngineError, NotApplicable, RunStats, WindowHook, check_unique_ids, clock
+from cbverify.engines import transformers_compat as compat
 from reference.spec import Rollout, RolloutRequest
 
 _PLACEHOLDER_TEMPERATURE = 0.5  # != 1.0, so the temperature processor exists; every request overrides it
@@ -150,7 +151,7 @@ class TransformersCBEngine:
             )  # fmt: skip
         cb: dict = dict(return_logprobs=self.return_logprobs, per_request_processors=self.per_request_processors,
                         seed=self.seed)  # fmt: skip
-        page = self.page_size or ContinuousBatchingConfig.page_size
+        page = self.page_size or compat.DEFAULT_PAGE_SIZE
         if self.page_size is not None:
             cb["page_size"] = self.page_size
         if self.num_blocks is not None:
@@ -172,19 +173,19 @@ class TransformersCBEngine:
         gen, cb = self._configs(group, greedy=greedy, min_p=min_p)
         setup_start = time.perf_counter()
         try:
-            manager = self.model.init_continuous_batching(
-                generation_config=gen, continuous_batching_config=ContinuousBatchingConfig(**cb)
-            )
+            manager = compat.init_manager(self.model, gen, **cb)
+        except compat.MissingFeature as err:
+            raise NotApplicable(self.name, str(err)) from err
         except ValueError as err:  # refused before any work (e.g. "Invalid layer type: conv"): not a crash
             raise NotApplicable(self.name, f"transformers CB refuses this model: {err}") from err
         if self.warmup:
             manager.warmup()
         manager.start()
         stats.setup_s += time.perf_counter() - setup_start
-        stats.extra = {"cb_config": cb, "num_managers": stats.extra.get("num_managers", 0) + 1}
+        stats.extra.update(cb_config=cb, num_managers=stats.extra.get("num_managers", 0) + 1)
         outputs = {}
         try:
-            with self.window_hook():
+            with self.window_hook(), compat.count_evictions() as evictions:
                 start = clock(device)
                 for r in group:
                     kwargs = {}
@@ -201,10 +202,11 @@ class TransformersCBEngine:
                 self._collect(manager, group, outputs)
                 end = clock(device)
             self._note_cost(manager, outputs, start, end, stats)
+            stats.extra["evictions"] = stats.extra.get("evictions", 0) + evictions[0]
         finally:
             stop_start = time.perf_counter()
             manager.stop(block=True)
-            manager.destroy()  # what generate_batch does after stopping a non-persistent manager
+            compat.destroy(manager)  # what generate_batch does after stopping a non-persistent manager
             stats.setup_s += time.perf_counter() - stop_start
         return {r.request_id: self._to_rollout(r, outputs.get(r.request_id)) for r in group}
 
@@ -216,7 +218,7 @@ class TransformersCBEngine:
             if result is not None and result.is_finished():
                 outputs[result.request_id] = result
             elif result is None and not manager.is_running():
-                fatal = manager.background_thread_status.fatal_error
+                fatal = compat.fatal_error(manager)
                 done = f"{len(outputs)}/{len(group)}"
                 raise EngineError(f"{self.name}: generation thread died with {done} done: {fatal!r}")
             if time.monotonic() > deadline:

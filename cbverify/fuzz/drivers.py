@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import copy
 import time
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 
+from cbverify.engines import transformers_compat as compat
 from cbverify.fuzz.case import FuzzCase, Step
 
 CALL_TIMEOUT_S = 120.0  # a call on the tiny bundled models takes ~1 s; a hang is reported as a lost request
@@ -46,7 +47,6 @@ class Session:
     case: FuzzCase
     manager: object = None
     engine: object = None
-    evictions: list = field(default_factory=lambda: [0])
     generation_config: object = None  # the GenerationConfig handed to the manager, and its contents then
     generation_config_before: dict | None = None
 
@@ -70,35 +70,11 @@ class Session:
         return GenerationConfig(**kw)
 
     def _new_manager(self):
-        from transformers.generation import ContinuousBatchingConfig
-
         self.generation_config = self._gen_config()
         self.generation_config_before = copy.deepcopy(self.generation_config.to_dict())
-        manager = self.model.init_continuous_batching(
-            generation_config=self.generation_config,
-            continuous_batching_config=ContinuousBatchingConfig(**self.case.config),
-        )
+        manager = compat.init_manager(self.model, self.generation_config, **self.case.config)
         manager.start()
         return manager
-
-    @contextmanager
-    def _count_evictions(self):
-        from transformers.generation.continuous_batching import offloading_manager as om
-
-        original = om.OffloadingManager.offload_requests
-        counter = self.evictions
-
-        def counted(this):
-            starved = bool(this.scheduler.starved_requests)
-            done = original(this)
-            counter[0] += int(done and starved)
-            return done
-
-        om.OffloadingManager.offload_requests = counted
-        try:
-            yield
-        finally:
-            om.OffloadingManager.offload_requests = original
 
     def _cb_call(self, step: Step) -> CallResult:
         manager = self.manager or self._new_manager()
@@ -124,7 +100,7 @@ class Session:
         finally:
             if self.manager is None:
                 manager.stop(block=True)
-                manager.destroy()
+                compat.destroy(manager)
         return CallResult(raw, _order(step, raw), crash=crash)
 
     def _collect(self, manager, raw: list[Output], wanted: set[str], until: int) -> str | None:
@@ -135,7 +111,7 @@ class Session:
                 lp = tuple(result.logprobs or ())
                 raw.append(Output(result.request_id, tuple(result.generated_tokens), lp, result.error))
             elif result is None and not manager.is_running():
-                return f"generation thread died: {manager.background_thread_status.fatal_error!r}"
+                return f"generation thread died: {compat.fatal_error(manager)!r}"
             if time.monotonic() > deadline:
                 return f"timeout after {CALL_TIMEOUT_S}s"
         return None
@@ -181,17 +157,17 @@ class Session:
     def close(self) -> None:
         if self.manager is not None:
             self.manager.stop(block=True)
-            self.manager.destroy()
+            compat.destroy(self.manager)
             self.manager = None
 
     def call(self, step: Step) -> CallResult:
-        before = self.evictions[0]
+        counting = compat.count_evictions() if self.case.engine == "transformers-cb" else nullcontext([0])
         try:
-            with self._count_evictions() if self.case.engine == "transformers-cb" else nullcontext():
+            with counting as evictions:
                 result = self._cb_call(step) if self.case.engine == "transformers-cb" else self._engine_call(step)
+            result.evictions = evictions[0]
         except Exception as err:  # noqa: BLE001 - any raise is a finding to report, never a fuzzer crash
             result = CallResult([], [None] * len(step.requests), crash=f"{type(err).__name__}: {err}")
-        result.evictions = self.evictions[0] - before
         return result
 
     def paused(self):

@@ -11,9 +11,12 @@ import math
 
 from hypothesis import strategies as st
 
+from cbverify.engines import transformers_compat as compat
 from cbverify.fuzz.case import FuzzCase, FuzzRequest, Step
 from reference import tasks
 
+# older transformers lack the field (cbverify.engines.transformers_compat): its default only
+_BATCH_LIMITS = [None, 1, 2, 4] if compat.has("max_requests_per_batch") else [None]
 EOS_SETS = ((tasks.EOS_ID,), (tasks.EOS_ID,), (tasks.EOS_ID, tasks.VOCAB["\n"]), ())
 
 
@@ -78,7 +81,7 @@ def fuzz_cases(draw, *, engine: str, model: str = "tiny-llama-arith") -> FuzzCas
             page_size=page, num_blocks=need + draw(st.sampled_from([0, 1, 2, 4, 3 * need])),
             max_batch_tokens=draw(st.sampled_from([4, 7, 16, 64, 256])),
             scheduler_type=draw(st.sampled_from(["fifo", "prefill_first"])), allow_block_sharing=draw(st.booleans()),
-            max_requests_per_batch=draw(st.sampled_from([None, 1, 2, 4])), return_logprobs=draw(st.booleans()),
+            max_requests_per_batch=draw(st.sampled_from(_BATCH_LIMITS)), return_logprobs=draw(st.booleans()),
             per_request_processors=per_request, seed=draw(st.integers(0, 2**31 - 1)),
         )  # fmt: skip
     elif engine == "cb_impl":

@@ -1,0 +1,105 @@
+"""What differs between transformers releases in the continuous-batching API: detected, in one place.
+
+Everything of transformers CB that cbverify touches and that changed between 5.8 and 5.24, read in each release's
+``generation/configuration_utils.py`` and ``generation/continuous_batching/``:
+
+- the page size is ``ContinuousBatchingConfig.block_size`` up to 5.19 and ``page_size`` from 5.20 (where
+  ``block_size`` stays as a deprecated alias);
+- ``seed`` exists from 5.10 (the manager then calls ``torch.manual_seed(seed)`` when it is built); on older
+  releases :func:`init_manager` makes that same call itself, so a seeded run means the same on every release;
+- ``max_requests_per_batch`` exists from 5.12;
+- a dead generation thread's error is ``manager.fatal_error`` up to 5.9 and
+  ``manager.background_thread_status.fatal_error`` from 5.10; ``manager.destroy()`` exists from 5.10;
+- an eviction is ``OffloadingManager.offload_one_request()`` up to 5.17 and ``offload_requests()`` (which may
+  evict none) from 5.18.
+
+Callers use the current names (``page_size``, ...). A field the installed release does not have is refused with
+:class:`MissingFeature`, naming the release, unless its value is the library default (``None``): never silently
+dropped. Nothing here is a private API that is not checked for first.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import transformers
+from transformers.generation import ContinuousBatchingConfig
+
+VERSION = transformers.__version__
+FIELDS = frozenset(ContinuousBatchingConfig.__dataclass_fields__)
+PAGE_FIELD = "page_size" if "page_size" in FIELDS else "block_size"
+DEFAULT_PAGE_SIZE: int = ContinuousBatchingConfig.__dataclass_fields__[PAGE_FIELD].default
+
+
+class MissingFeature(ValueError):
+    """The installed transformers lacks a continuous-batching option that was asked for."""
+
+
+def has(field: str) -> bool:
+    """Whether the installed ``ContinuousBatchingConfig`` takes ``field`` (current name)."""
+    return (PAGE_FIELD if field == "page_size" else field) in FIELDS or field == "seed"
+
+
+def config_kwargs(**options) -> dict:
+    """``ContinuousBatchingConfig`` keyword arguments for the installed release, from current names.
+
+    ``seed`` is kept only where the config has it (see :func:`init_manager` for the others)."""
+    out = {}
+    for name, value in options.items():
+        installed = PAGE_FIELD if name == "page_size" else name
+        if installed in FIELDS:
+            out[installed] = value
+        elif name != "seed" and value is not None:
+            raise MissingFeature(f"transformers {VERSION}: ContinuousBatchingConfig has no {name!r} (asked {value!r})")
+    return out
+
+
+def init_manager(model, generation_config, **options):
+    """``model.init_continuous_batching`` with ``options`` (current names), seeded the same way on every release."""
+    kwargs = config_kwargs(**options)
+    if options.get("seed") is not None and "seed" not in FIELDS:
+        torch.manual_seed(options["seed"])  # what 5.10+ does with ContinuousBatchingConfig.seed
+    return model.init_continuous_batching(
+        generation_config=generation_config, continuous_batching_config=ContinuousBatchingConfig(**kwargs)
+    )
+
+
+def fatal_error(manager) -> BaseException | None:
+    """The exception that killed the manager's generation thread, if any."""
+    status = getattr(manager, "background_thread_status", None)
+    return getattr(status if status is not None else manager, "fatal_error", None)
+
+
+def destroy(manager) -> None:
+    """Release a stopped manager's resources where the release has ``destroy()`` (5.10+)."""
+    if hasattr(manager, "destroy"):
+        manager.destroy()
+
+
+@contextmanager
+def count_evictions():
+    """Count eviction events (a request offloaded to CPU or soft-reset to be re-prefilled) while the block runs.
+
+    Yields a one-item list. Up to 5.13 every ``offload_one_request()`` call is one event; from 5.14 a call of
+    ``offload_requests()`` that evicted anything is one (it may evict several requests at once)."""
+    from transformers.generation.continuous_batching import offloading_manager as om
+
+    counter = [0]
+    cls = om.OffloadingManager
+    name = "offload_requests" if hasattr(cls, "offload_requests") else "offload_one_request"
+    original = getattr(cls, name)
+
+    def counted(this, *args, **kwargs):
+        starved = bool(getattr(getattr(this, "scheduler", None), "starved_requests", True))
+        done = original(this, *args, **kwargs)
+        # offload_one_request returns None; offload_requests an int (5.14-5.19) or a bool that is also True when
+        # only cached (finished) blocks were dropped (5.20+), hence the starved check
+        counter[0] += 1 if name == "offload_one_request" else int(bool(done) and starved)
+        return done
+
+    setattr(cls, name, counted)
+    try:
+        yield counter
+    finally:
+        setattr(cls, name, original)

@@ -1,0 +1,155 @@
+"""What ``cbverify matrix`` runs inside one version's venv, and the version x check table it makes of the results.
+
+Each step is this repository's own command run by the venv's interpreter; each gives rows of
+``{"check", "path", "label", "ok"}`` (the upstream payload's shape):
+
+1. ``upstream``: ``python -m cbverify upstream --run --json`` (the trainer scenarios, judged against the registry);
+2. ``pytest``: the compatibility-layer tests (``property_tests/test_transformers_compat.py``) and every registered
+   fuzz finding's repro, strict both ways (inside its ``transformers`` range it must reproduce, outside it must not),
+   read from a JUnit XML file;
+3. ``verify``: ``python -m cbverify verify --json`` on the bundled model: one row per engine;
+4. ``fuzz`` (with ``--fuzz N``): ``python -m cbverify fuzz --engine transformers-cb --examples N --json``: one row,
+   ``pass`` (nothing found), ``xfail(k)`` (only registered failure classes) or ``FAIL(k)`` (k unregistered).
+
+A step that crashes or times out is an ``ERROR`` row with its last line, never a missing one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from cbverify.upstream.matrix import REPO
+
+RANK = {"ERROR": 6, "FAIL": 5, "FIXED?": 4, "XFAIL": 3, "PASS": 2, "NOT-APPLICABLE": 1, "N/A": 1}
+SHORT = {"NOT-APPLICABLE": "n/a", "N/A": "n/a", "XFAIL": "xfail", "PASS": "pass"}
+PYTEST_TARGETS = (
+    "property_tests/test_transformers_compat.py",
+    "property_tests/test_fuzz.py::test_every_registered_fuzz_finding_still_reproduces",
+)
+
+
+def _row(check: str, path: str, label: str, ok: bool) -> dict:
+    return {"check": check, "path": path, "label": label, "ok": ok}
+
+
+def _run(cmd: list[str], log, timeout: int) -> tuple[int | None, str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        log.write(f"$ {' '.join(cmd)}\ntimed out after {timeout} s\n")
+        return None, f"timed out after {timeout} s"
+    log.write(f"$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}\n")
+    tail = [ln for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()][-1:] or ["no output"]
+    return proc.returncode, tail[0][:200]
+
+
+def _json_step(name: str, cmd: list[str], out: Path, log, timeout: int) -> dict | dict[str, str]:
+    out.unlink(missing_ok=True)
+    rc, last = _run([*cmd, "--json", str(out)], log, timeout)
+    if not out.is_file():
+        return {"error": f"{name} crashed (rc {rc}): {last}"}
+    return json.loads(out.read_text())
+
+
+def upstream_rows(python: str, args, out: Path, log) -> tuple[list[dict], dict]:
+    cmd = [python, "-m", "cbverify", "upstream", "--run", "--quiet"]
+    cmd += ["--random-model"] if args.random_model else ["--model", args.model]
+    cmd += ["--path", args.path] if args.path else []
+    payload = _json_step("upstream", cmd, out, log, args.timeout)
+    if "error" in payload:
+        return [_row("upstream checks", "-", "ERROR", False)], {"error": payload["error"]}
+    return payload["results"], payload["versions"]
+
+
+def pytest_rows(python: str, args, out: Path, log) -> list[dict]:
+    out.unlink(missing_ok=True)
+    rc, last = _run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", f"--junitxml={out}",
+                     *PYTEST_TARGETS], log, args.timeout)  # fmt: skip
+    if not out.is_file():
+        return [_row("pytest (compat, fuzz findings)", "pytest", "ERROR", False)]
+    rows = []
+    for case in ET.parse(out).getroot().iter("testcase"):
+        failed = case.find("failure") if case.find("failure") is not None else case.find("error")
+        skipped = case.find("skipped")
+        if failed is not None:
+            label = "FIXED?" if "FIXED?" in (failed.get("message") or "") + (failed.text or "") else "FAIL"
+        else:
+            label = "NOT-APPLICABLE" if skipped is not None else "PASS"
+        rows.append(_row(case.get("name"), "pytest", label, failed is None))
+    return rows or [_row("pytest (compat, fuzz findings)", "pytest", "ERROR", False)]
+
+
+def verify_rows(python: str, args, out: Path, log) -> list[dict]:
+    payload = _json_step("verify", [python, "-m", "cbverify", "verify", "--model", args.model, "--allow-na"], out,
+                         log, args.timeout)  # fmt: skip
+    if "error" in payload:
+        return [_row("verify", "-", "ERROR", False)]
+    return [_row("verify", e["engine"], e["status"], e["status"] != "FAIL") for e in payload["engines"]]
+
+
+def fuzz_rows(python: str, args, out: Path, log) -> list[dict]:
+    cmd = [python, "-m", "cbverify", "fuzz", "--engine", "transformers-cb", "--examples", str(args.fuzz)]
+    payload = _json_step("fuzz", [*cmd, "--model", args.model], out, log, args.timeout)
+    check = f"fuzz ({args.fuzz} examples)"
+    if "error" in payload:
+        return [_row(check, "transformers-cb", "ERROR", False)]
+    unregistered = [c for c in payload["classes"] if c["finding"] is None]
+    if unregistered:
+        return [_row(check, "transformers-cb", f"FAIL({len(unregistered)} unregistered)", False)]
+    registered = len(payload["classes"])
+    return [_row(check, "transformers-cb", f"XFAIL({registered} registered)" if registered else "PASS", True)]
+
+
+def run_combo(venv: Path, args, out_dir: Path, name: str, log) -> dict:
+    """Every step in ``venv``: ``{"versions": ..., "results": [...]}`` (``versions`` holds an error if upstream
+    could not run)."""
+    python = str(venv / "bin" / "python")
+    results, versions = upstream_rows(python, args, out_dir / f"{name}.upstream.json", log)
+    results += pytest_rows(python, args, out_dir / f"{name}.pytest.xml", log)
+    results += verify_rows(python, args, out_dir / f"{name}.verify.json", log)
+    if args.fuzz:
+        results += fuzz_rows(python, args, out_dir / f"{name}.fuzz.json", log)
+    return {"versions": versions, "results": results}
+
+
+def _cell(labels: list[str]) -> str:
+    if not labels:
+        return "-"
+    worst = max(labels, key=lambda lab: RANK.get(lab.split("(")[0], 0))
+    head, _, rest = worst.partition("(")
+    return SHORT.get(head, head) + (f"({rest}" if rest else "")
+
+
+def table(columns: dict[str, dict | str]) -> tuple[list[str], list[list[str]]]:
+    """``columns``: combo -> payload (or an install error). Rows: (check, path); cells: the worst label."""
+    keys: list[tuple[str, str]] = []
+    for payload in columns.values():
+        for r in payload["results"] if isinstance(payload, dict) else []:
+            if (r["check"], r["path"]) not in keys:
+                keys.append((r["check"], r["path"]))
+    rows = []
+    for check, path in keys:
+        row = [check, path]
+        for payload in columns.values():
+            if not isinstance(payload, dict):
+                row.append("INSTALL-FAILED")
+                continue
+            row.append(_cell([r["label"] for r in payload["results"] if (r["check"], r["path"]) == (check, path)]))
+        rows.append(row)
+    return ["check", "path", *columns], rows
+
+
+def render_text(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join([fmt.format(*header), fmt.format(*["-" * w for w in widths]), *(fmt.format(*r) for r in rows)])
+
+
+def render_markdown(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
