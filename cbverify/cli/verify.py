@@ -28,6 +28,7 @@ from cbverify.grpo_config import RolloutConfig, load_rollout_config
 from cbverify.prompts import load_prompts
 from cbverify.tolerances import tier_for
 from cbverify.workload import DEFAULT_GROUP_SIZE, Workload, build_workload
+from cbverify.zoo.findings import architecture_finding
 from reference.models import DEFAULT_MODEL
 from reference.spec import Rollout
 
@@ -139,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         args.json.write_text(report.to_json(env, rows))
     if args.markdown:
         args.markdown.write_text(report.render_markdown(env, rows))
-    ok = all(r.status == "PASS" or (r.status == "N/A" and args.allow_na) for r in rows)
+    ok = all(r.status == "PASS" or r.status.startswith("XFAIL") or (r.status == "N/A" and args.allow_na) for r in rows)
     return 0 if ok else 1
 
 
@@ -180,6 +181,12 @@ def _evaluate(name, model, requests, reference, tier, repro, dist, dist_samples,
         return report.EngineRow(name, problems=[f"construction failed: {type(err).__name__}: {err}"])
     row = report.evaluate_engine(engine, model, requests, reference, tier, repro=repro, dist_requests=dist,
                                  dist_samples=dist_samples)  # fmt: skip
+    finding = architecture_finding(name, model.config.model_type, row.problems) if row.status == "FAIL" else None
+    if finding is not None:  # a registered upstream failure on this transformers release: reported, not hidden
+        row.status = f"XFAIL({finding.id})"
+        row.notes.append(
+            f"registered finding {finding.id} ({finding.transformers or 'all versions'}): {finding.evidence}"
+        )
     extra = engine.last_run.extra if getattr(engine, "last_run", None) else {}
     if extra.get("stats"):
         row.notes.append(", ".join(f"{extra['stats'].get(k, 0)} {label}" for k, label in CB_IMPL_EVENTS.items()))

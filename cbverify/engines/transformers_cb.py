@@ -16,7 +16,8 @@ What the adapter relies on (read in the 5.24 source; what older releases name di
   semantics when sampling and ``log_softmax(logits)`` when greedy (no processors are built) — the spec's semantics.
 - EOS: ``eos_token_id=[]`` means "no EOS"; an EOS is appended to ``generated_tokens`` (the ``Rollout`` convention).
 - Randomness: ``torch.multinomial`` on torch's global RNG, which the manager itself reseeds (``torch.manual_seed``)
-  from ``ContinuousBatchingConfig.seed``; the adapter passes its ``seed`` option and restores the caller's RNG.
+  from ``ContinuousBatchingConfig.seed``; the adapter passes its ``seed`` option (before 5.9, which has no such
+  field, it seeds the global RNG itself) and restores the caller's RNG.
 
 CPU sizing: small explicit ``page_size`` / ``num_blocks`` / ``max_batch_tokens`` (the defaults reserve GBs).
 ``num_blocks=None`` sizes the cache for the whole workload: sum over requests of ceil(len / page_size) + 1 -- unless
@@ -149,8 +150,9 @@ class TransformersCBEngine:
                 do_sample=True, temperature=s.temperature, top_k=s.top_k or None, top_p=s.top_p,
                 min_p=min_p if min_p > 0 else None, repetition_penalty=1.0, **common,
             )  # fmt: skip
-        cb: dict = dict(return_logprobs=self.return_logprobs, per_request_processors=self.per_request_processors,
-                        seed=self.seed)  # fmt: skip
+        cb: dict = dict(return_logprobs=self.return_logprobs, per_request_processors=self.per_request_processors)
+        if compat.has("seed"):
+            cb["seed"] = self.seed
         page = self.page_size or compat.DEFAULT_PAGE_SIZE
         if self.page_size is not None:
             cb["page_size"] = self.page_size
@@ -172,6 +174,8 @@ class TransformersCBEngine:
         device = next(self.model.parameters()).device
         gen, cb = self._configs(group, greedy=greedy, min_p=min_p)
         setup_start = time.perf_counter()
+        if "seed" not in cb:  # before 5.9 the manager samples from the global RNG as it finds it (generate forks it)
+            torch.manual_seed(self.seed)
         try:
             manager = compat.init_manager(self.model, gen, **cb)
         except compat.MissingFeature as err:

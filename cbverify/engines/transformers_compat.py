@@ -5,10 +5,10 @@ Everything of transformers CB that cbverify touches and that changed between 5.8
 
 - the page size is ``ContinuousBatchingConfig.block_size`` up to 5.19 and ``page_size`` from 5.20 (where
   ``block_size`` stays as a deprecated alias);
-- ``seed`` exists from 5.10 (the manager then calls ``torch.manual_seed(seed)`` when it is built); on older
-  releases :func:`init_manager` makes that same call itself, so a seeded run means the same on every release;
-- ``max_requests_per_batch`` exists from 5.12;
-- a dead generation thread's error is ``manager.fatal_error`` up to 5.9 and
+- ``seed`` exists from 5.9 (the manager then calls ``torch.manual_seed(seed)`` when it is built; before, it samples
+  from whatever state torch's global RNG is in, so a caller seeds that itself);
+- ``max_requests_per_batch`` exists from 5.11;
+- a dead generation thread's error is ``manager.fatal_error`` before 5.10 and
   ``manager.background_thread_status.fatal_error`` from 5.10; ``manager.destroy()`` exists from 5.10;
 - an eviction is ``OffloadingManager.offload_one_request()`` up to 5.17 and ``offload_requests()`` (which may
   evict none) from 5.18.
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-import torch
 import transformers
 from transformers.generation import ContinuousBatchingConfig
 
@@ -38,28 +37,24 @@ class MissingFeature(ValueError):
 
 def has(field: str) -> bool:
     """Whether the installed ``ContinuousBatchingConfig`` takes ``field`` (current name)."""
-    return (PAGE_FIELD if field == "page_size" else field) in FIELDS or field == "seed"
+    return (PAGE_FIELD if field == "page_size" else field) in FIELDS
 
 
 def config_kwargs(**options) -> dict:
-    """``ContinuousBatchingConfig`` keyword arguments for the installed release, from current names.
-
-    ``seed`` is kept only where the config has it (see :func:`init_manager` for the others)."""
+    """``ContinuousBatchingConfig`` keyword arguments for the installed release, from current names."""
     out = {}
     for name, value in options.items():
         installed = PAGE_FIELD if name == "page_size" else name
         if installed in FIELDS:
             out[installed] = value
-        elif name != "seed" and value is not None:
+        elif value is not None:
             raise MissingFeature(f"transformers {VERSION}: ContinuousBatchingConfig has no {name!r} (asked {value!r})")
     return out
 
 
 def init_manager(model, generation_config, **options):
-    """``model.init_continuous_batching`` with ``options`` (current names), seeded the same way on every release."""
+    """``model.init_continuous_batching`` with ``options`` (current names)."""
     kwargs = config_kwargs(**options)
-    if options.get("seed") is not None and "seed" not in FIELDS:
-        torch.manual_seed(options["seed"])  # what 5.10+ does with ContinuousBatchingConfig.seed
     return model.init_continuous_batching(
         generation_config=generation_config, continuous_batching_config=ContinuousBatchingConfig(**kwargs)
     )

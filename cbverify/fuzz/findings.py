@@ -8,13 +8,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cbverify.engines import transformers_compat as compat
 from cbverify.fuzz.case import FuzzCase, FuzzRequest, Step
 from cbverify.upstream.findings import transformers_in
 
 SEEN = "transformers 5.24.0 (torch 2.13.0, CPU, float32, tiny-llama-arith)"
 PROMPT = (1, 6, 5, 16, 7, 5, 3)
 ARITH = (1, 19, 17, 10, 5, 13, 12, 10, 13, 11, 22)  # greedy: (10, 5, 13, 12, 10, 16, 4, 10); penalty 1.3: ... 9
-_CB = dict(page_size=4, num_blocks=16, max_batch_tokens=16, return_logprobs=True, seed=0)
+_CB = dict(page_size=4, num_blocks=16, max_batch_tokens=16, return_logprobs=True) | (
+    {"seed": 0} if compat.has("seed") else {}  # the field exists from 5.9 (cbverify.engines.transformers_compat)
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,12 +53,45 @@ FUZZ_FINDINGS: tuple[FuzzFinding, ...] = (
         id="cb-reseeds-global-rng",
         engine="transformers-cb",
         checks=("state:global-rng",),
-        when="always (a ContinuousBatchingConfig seed, or sampling, touches torch's global RNG)",
-        applies=lambda case: True,
+        when="from 5.9 (ContinuousBatchingConfig.seed) every call; before, sampled calls",
+        applies=lambda case: compat.has("seed") or bool(case.generation.get("do_sample")),
         evidence="torch.get_rng_state() differs after one greedy call of a manager built with seed=0: the batch "
         "processor calls torch.manual_seed(seed) on the global generator (set_tp_seed) and samples with "
-        "torch.multinomial on it; the caller's random stream is replaced",
-        repro=_one_call(FuzzRequest("r", PROMPT, 4, (2,))),
+        "torch.multinomial on it; the caller's random stream is replaced (5.8.1, with no seed field: a greedy "
+        "call leaves it alone, a sampled one consumes it)",
+        repro=_one_call(FuzzRequest("r", PROMPT, 4, (2,), 1.0, 0), generation={"do_sample": not compat.has("seed")}),
+    ),
+    FuzzFinding(
+        id="cb-leaves-paged-attention",
+        engine="transformers-cb",
+        checks=("state:attn-implementation",),
+        when="always",
+        applies=lambda case: True,
+        evidence="after a manager is stopped the model's attn_implementation is 'paged|sdpa' (was 'sdpa'): every "
+        "later forward of the caller, the oracle's included, runs the paged kernels (the trainer-side effect is "
+        "the upstream finding cb-leaves-paged-attention-for-training)",
+        repro=_one_call(FuzzRequest("r", PROMPT, 2, (2,))),
+        affected="transformers 5.8.1; not 5.9.0 to 5.24.0 (cbverify matrix --all-minors 5.8)",
+        transformers="<5.9",
+    ),
+    FuzzFinding(
+        id="cb-per-request-sampling-collapses",
+        engine="transformers-cb",
+        checks=("logprobs",),
+        when="per_request_processors=True and sampling",
+        applies=lambda case: bool(case.generation.get("do_sample") and case.config.get("per_request_processors")),
+        evidence="with per-request temperature / top_k / top_p every sampled token comes back with log-prob 0.0 "
+        "(the oracle's processed log-prob is < 0): the same failure as the engine finding of that name",
+        repro=FuzzCase(
+            "transformers-cb",
+            "tiny-llama-arith",
+            False,
+            {**_CB, "per_request_processors": True},
+            {"do_sample": True},
+            (Step("call", (FuzzRequest("r", ARITH, 4, (), 1.0, 10, 0.95),)),),
+        ),
+        affected="transformers 5.8.1; not 5.9.0 to 5.24.0 (cbverify matrix --all-minors 5.8)",
+        transformers="<5.9",
     ),
     FuzzFinding(
         id="cb-leaves-model-in-eval-mode",

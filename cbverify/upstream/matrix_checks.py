@@ -78,8 +78,10 @@ def pytest_rows(python: str, args, out: Path, log) -> list[dict]:
         skipped = case.find("skipped")
         if failed is not None:
             label = "FIXED?" if "FIXED?" in (failed.get("message") or "") + (failed.text or "") else "FAIL"
+        elif skipped is not None:  # pytest writes an expected failure as a skip of type pytest.xfail
+            label = "XFAIL" if "xfail" in (skipped.get("type") or "") else "NOT-APPLICABLE"
         else:
-            label = "NOT-APPLICABLE" if skipped is not None else "PASS"
+            label = "PASS"
         rows.append(_row(case.get("name"), "pytest", label, failed is None))
     return rows or [_row("pytest (compat, fuzz findings)", "pytest", "ERROR", False)]
 

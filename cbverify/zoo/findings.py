@@ -1,11 +1,13 @@
-"""Registered upstream failures of the architecture zoo: an engine that crashes on, or diverges from the oracle on,
-some architectures. :mod:`cbverify.zoo.matrix` reports such a cell as ``XFAIL(<id>)``, and the zoo test fails the day
-it passes again (``FIXED?``), so the registry is updated when upstream fixes it. Each entry carries measured evidence
-and the transformers versions it was seen on.
+"""Registered upstream failures of an engine: on some architectures (the zoo) or on all of them for some transformers
+releases (``cbverify verify`` and the compatibility tests, run in every matrix venv). :mod:`cbverify.zoo.matrix`
+reports such a cell as ``XFAIL(<id>)`` and ``verify`` such a row, when every problem of the row is one the entry
+explains; the zoo test fails the day a cell passes again (``FIXED?``), so the registry is updated when upstream fixes
+it. Each entry carries measured evidence and the transformers versions it was seen on.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cbverify.upstream.findings import transformers_in
@@ -21,10 +23,24 @@ class ArchitectureFinding:
     affected: str
     evidence: str
     transformers: str = ""  # PEP 440 specifier, as Finding.transformers
+    problems: tuple[str, ...] = ()  # the report problems it explains, by their opening words; () means any
 
 
 ZOO_SEEN = "transformers 5.24.0 (torch 2.13.0, CPU, float32; the only version the zoo was run on)"
 ARCHITECTURE_FINDINGS: tuple[ArchitectureFinding, ...] = (
+    ArchitectureFinding(
+        id="cb-per-request-sampling-collapses",
+        engine="transformers-cb",
+        architectures=(),
+        affected="transformers 5.8.1 (torch 2.13.0, CPU, float32, tiny-llama-arith); not 5.9.0 to 5.24.0 (cbverify "
+        "matrix --all-minors 5.8)",
+        evidence="with per-request temperature / top_k / top_p (per_request_processors=True), a group of four "
+        "T=1 top-k 10 top-p 0.95 requests returns four identical completions, each token with log-prob 0.0 where "
+        "the reference's processed log-prob is -1.55 or -inf (outside the top-p support); a distribution test "
+        "sees one token 200 times out of 200; seeds 11 and 12 give the same 48 sampled tokens",
+        transformers="<5.9",
+        problems=("log-probs off", "sampling distribution"),
+    ),
     ArchitectureFinding(
         id="cb-ignores-attention-softcap",
         engine="transformers-cb",
@@ -80,10 +96,19 @@ ARCHITECTURE_FINDINGS: tuple[ArchitectureFinding, ...] = (
 )
 
 
-def architecture_finding(engine: str, arch: str) -> ArchitectureFinding | None:
-    """The registered finding that makes ``engine`` fail on zoo architecture ``arch`` (installed version), if any."""
+def architecture_finding(engine: str, arch: str, problems: Sequence[str] = ()) -> ArchitectureFinding | None:
+    """The registered finding that explains ``engine`` failing on architecture ``arch`` with ``problems`` (the
+    report's problem lines) on the installed transformers, if any."""
     for f in ARCHITECTURE_FINDINGS:
         if f.engine == engine and (not f.architectures or arch in f.architectures):
-            if transformers_in(f.transformers):
+            if transformers_in(f.transformers) and (not f.problems or all(p.startswith(f.problems) for p in problems)):
                 return f
     return None
+
+
+def registered(finding_id: str) -> ArchitectureFinding | None:
+    """The finding ``finding_id`` if the installed transformers is in its range (tests that expect it use this)."""
+    found = [f for f in ARCHITECTURE_FINDINGS if f.id == finding_id]
+    if not found:
+        raise KeyError(f"no registered finding {finding_id!r}")
+    return found[0] if transformers_in(found[0].transformers) else None

@@ -69,11 +69,13 @@ class Cell:
 def judge(arch: str, engine: str, row: report.EngineRow) -> Cell:
     """An ``EngineRow`` -> a :class:`Cell`, registered architecture findings applied."""
     detail = " ".join(" | ".join(row.problems).split())[:300]
-    finding = architecture_finding(engine, arch)
     if row.status == "N/A":
         return Cell(arch, engine, "N/A", detail)
-    if row.status == "PASS":
-        return Cell(arch, engine, f"FIXED?({finding.id})" if finding else "PASS", "")
+    if row.status == "PASS":  # a finding about this architecture that no longer shows
+        finding = architecture_finding(engine, arch)
+        fixed = finding is not None and arch in finding.architectures
+        return Cell(arch, engine, f"FIXED?({finding.id})" if fixed else "PASS", "")
+    finding = architecture_finding(engine, arch, row.problems)
     return Cell(arch, engine, f"XFAIL({finding.id})" if finding else "FAIL", detail)
 
 
