@@ -3,15 +3,18 @@
 Everything of transformers CB that cbverify touches and that changed between 5.8 and 5.24, read in each release's
 ``generation/configuration_utils.py`` and ``generation/continuous_batching/``:
 
-- the page size is ``ContinuousBatchingConfig.block_size`` up to 5.19 and ``page_size`` from 5.20 (where
+- the page size is ``ContinuousBatchingConfig.block_size`` up to 5.17 and ``page_size`` from 5.18 (where
   ``block_size`` stays as a deprecated alias);
 - ``seed`` exists from 5.9 (the manager then calls ``torch.manual_seed(seed)`` when it is built; before, it samples
   from whatever state torch's global RNG is in, so a caller seeds that itself);
 - ``max_requests_per_batch`` exists from 5.11;
 - a dead generation thread's error is ``manager.fatal_error`` before 5.10 and
   ``manager.background_thread_status.fatal_error`` from 5.10; ``manager.destroy()`` exists from 5.10;
-- an eviction is ``OffloadingManager.offload_one_request()`` up to 5.17 and ``offload_requests()`` (which may
-  evict none) from 5.18.
+- an eviction is ``OffloadingManager.offload_one_request()`` up to 5.12 and ``offload_requests()`` from 5.13
+  (returning how many it evicted up to 5.17, a bool from 5.18 that is also True when only finished requests' cached
+  blocks were dropped).
+
+Read off every minor release's newest patch (``cbverify matrix --all-minors 5.8`` builds them all).
 
 Callers use the current names (``page_size``, ...). A field the installed release does not have is refused with
 :class:`MissingFeature`, naming the release, unless its value is the library default (``None``): never silently
@@ -76,7 +79,7 @@ def destroy(manager) -> None:
 def count_evictions():
     """Count eviction events (a request offloaded to CPU or soft-reset to be re-prefilled) while the block runs.
 
-    Yields a one-item list. Up to 5.13 every ``offload_one_request()`` call is one event; from 5.14 a call of
+    Yields a one-item list. Up to 5.12 every ``offload_one_request()`` call is one event; from 5.13 a call of
     ``offload_requests()`` that evicted anything is one (it may evict several requests at once)."""
     from transformers.generation.continuous_batching import offloading_manager as om
 
@@ -88,8 +91,8 @@ def count_evictions():
     def counted(this, *args, **kwargs):
         starved = bool(getattr(getattr(this, "scheduler", None), "starved_requests", True))
         done = original(this, *args, **kwargs)
-        # offload_one_request returns None; offload_requests an int (5.14-5.19) or a bool that is also True when
-        # only cached (finished) blocks were dropped (5.20+), hence the starved check
+        # offload_one_request returns None; offload_requests an int (5.13-5.17) or a bool that is also True when
+        # only cached (finished) blocks were dropped (5.18+), hence the starved check
         counter[0] += 1 if name == "offload_one_request" else int(bool(done) and starved)
         return done
 

@@ -7,7 +7,8 @@ which versions, with one line of measured evidence. Tests assert that every regi
 any FAIL not covered here is a real failure. ``cbverify upstream`` prints this table.
 
 Evidence lines were measured on torch 2.13.0 / transformers 5.24.0 / trl 1.16.0 / accelerate 1.15.0, CPU, with the
-scenarios named in ``when``; ``affected`` lists what was verified (the matrix run extends it).
+scenarios named in ``when``; ``affected`` lists what was verified, and each ``transformers`` range was made exact by
+``cbverify matrix --all-minors 5.8`` (the newest patch of every minor release from 5.8 to 5.24).
 """
 
 from __future__ import annotations
@@ -73,8 +74,12 @@ def transformers_in(specifier: str) -> bool:
 
 
 PINNED = "transformers 5.24.0 + trl 1.16.0 (+ accelerate 1.15.0)"
-ALL_SEEN = "transformers 5.8.0, 5.16.0 and 5.24.0 with trl 1.16.0 (+ accelerate 1.15.0)"  # the matrix run
-AFTER_5_16 = "transformers 5.24.0 + trl 1.16.0; not 5.8.0 or 5.16.0 (versions in between untested)"
+# `cbverify matrix --all-minors 5.8`: the newest patch of every minor release, trl 1.16.0 (+ accelerate 1.15.0)
+MATRIX = (
+    "5.8.1, 5.9.0, 5.10.4, 5.11.0, 5.12.1, 5.13.1, 5.14.1, 5.15.1, 5.16.1, 5.17.0, 5.18.0, 5.19.0, 5.20.2, 5.21.1, "
+    "5.22.2, 5.23.0, 5.24.0"
+)
+ALL_SEEN = f"every transformers release of the matrix ({MATRIX}) with trl 1.16.0"
 
 FINDINGS: tuple[Finding, ...] = (
     Finding(
@@ -83,8 +88,8 @@ FINDINGS: tuple[Finding, ...] = (
         path="cb",
         when="bf16=True, Llama",
         applies=lambda s: s.bf16,
-        affected=AFTER_5_16,
-        transformers=">5.16.0",
+        affected="transformers 5.24.0 + trl 1.16.0; not 5.8.1 to 5.23.0 (the matrix)",
+        transformers=">=5.24",
         evidence="every CB request FAILED: LlamaModel.forward returns the cache it is given whatever use_cache says "
         "(Qwen2Model returns None with use_cache off, as CB calls it), and accelerate's mixed-precision forward "
         "wrapper calls .float() on that PagedAttentionCache "
@@ -124,8 +129,8 @@ FINDINGS: tuple[Finding, ...] = (
         path="cb",
         when="greedy (RNG is compared only where no sampling may consume it)",
         applies=lambda s: s.greedy,
-        affected="transformers 5.16.0 and 5.24.0 + trl 1.16.0; not 5.8.0",
-        transformers=">5.8.0",
+        affected="transformers 5.9.0 to 5.24.0 + trl 1.16.0 (the matrix); not 5.8.1 (it has no config seed)",
+        transformers=">=5.9",
         evidence="ContinuousBatchingManager.__init__ -> DistributedHelper.set_tp_seed calls torch.manual_seed(...) "
         "on every generate_batch (with the config's seed, or one drawn from the global RNG): greedy generation, "
         "which samples nothing, still replaces the global torch RNG state",
@@ -161,7 +166,7 @@ FINDINGS: tuple[Finding, ...] = (
         path="cb",
         when="repetition_penalty != 1.0",
         applies=lambda s: s.repetition_penalty != 1.0,
-        affected=AFTER_5_16,
+        affected="transformers 5.16.1 to 5.24.0 + trl 1.16.0 (the matrix); not 5.8.1 to 5.15.1, nor 5.16.0",
         transformers=">5.16.0",
         evidence="ContinuousBatchingLogitsProcessorList drops RepetitionPenaltyLogitsProcessor "
         "(supports_continuous_batching=False, drop_unsupported_processors=True) with only a logger warning: "
@@ -187,8 +192,8 @@ FINDINGS: tuple[Finding, ...] = (
         path="cb",
         when="any scenario",
         applies=lambda s: True,
-        affected="transformers 5.8.0 + trl 1.16.0; not 5.16.0 or 5.24.0 (versions in between untested)",
-        transformers="<5.16.0",
+        affected="transformers 5.8.x + trl 1.16.0 (5.8.0, 5.8.1); not 5.9.0 to 5.24.0 (the matrix)",
+        transformers="<5.9",
         evidence="after generate_batch the model's attention implementation stays 'paged|sdpa' (was 'sdpa'): the "
         "training forward then differs (probe max |diff| 18.4) and the trainer's per-token log-probs are off the "
         "reference by up to 0.79 (fp32), i.e. the policy gradient is computed with the wrong attention",
