@@ -68,6 +68,7 @@ def evaluate_engine(
     engine returns none); and, for own-RNG engines given ``dist_requests``, the distribution test.
     """
     row = EngineRow(engine.name)
+    engine = _StateGuard(engine, model)
     start = time.perf_counter()
     try:
         rollouts = engine.generate(requests)
@@ -120,8 +121,36 @@ def evaluate_engine(
         row.distribution = f"{len(result.tests) - len(result.rejected)}/{len(result.tests)} ok"
         if not result.passed:
             row.problems.append("sampling distribution: " + result.describe())
+    row.problems += [f"model state changed by the engine: {c} (put back for judging)" for c in engine.changes]
     row.status = "PASS" if not row.problems else "FAIL"
     return row
+
+
+class _StateGuard:
+    """``engine`` whose every ``generate`` call must leave the caller's model as it found it (attention
+    implementation, train / eval mode). A change is recorded and undone at once, so the oracle's teacher forcing and
+    the engines judged later see the caller's model (transformers 5.8 leaves its paged attention installed)."""
+
+    def __init__(self, engine, model) -> None:
+        self.engine, self.model, self.changes = engine, model, []
+        self.name, self.capabilities = engine.name, engine.capabilities
+
+    def _state(self) -> dict:
+        return {"attn_implementation": getattr(self.model.config, "_attn_implementation", None),
+                "training": self.model.training}  # fmt: skip
+
+    def generate(self, requests):
+        before = self._state()
+        try:
+            return self.engine.generate(requests)
+        finally:
+            after = self._state()
+            for key in (k for k in before if before[k] != after[k]):
+                change = f"{key} {before[key]!r} -> {after[key]!r}"
+                self.changes += [change] if change not in self.changes else []
+            if after["attn_implementation"] != before["attn_implementation"]:
+                self.model.set_attn_implementation(before["attn_implementation"])
+            self.model.train(before["training"])
 
 
 def environment(device: str, dtype: str, model_name: str, tier: Tier) -> dict[str, str]:

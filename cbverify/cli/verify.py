@@ -185,7 +185,8 @@ def _evaluate(name, model, requests, reference, tier, repro, dist, dist_samples,
     if finding is not None:  # a registered upstream failure on this transformers release: reported, not hidden
         row.status = f"XFAIL({finding.id})"
         row.notes.append(
-            f"registered finding {finding.id} ({finding.transformers or 'all versions'}): {finding.evidence}"
+            f"registered upstream finding {finding.id} (transformers {finding.transformers or 'every version seen'}): "
+            f"{finding.evidence}"
         )
     extra = engine.last_run.extra if getattr(engine, "last_run", None) else {}
     if extra.get("stats"):

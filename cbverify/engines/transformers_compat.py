@@ -12,7 +12,9 @@ Everything of transformers CB that cbverify touches and that changed between 5.8
   ``manager.background_thread_status.fatal_error`` from 5.10; ``manager.destroy()`` exists from 5.10;
 - an eviction is ``OffloadingManager.offload_one_request()`` up to 5.12 and ``offload_requests()`` from 5.13
   (returning how many it evicted up to 5.17, a bool from 5.18 that is also True when only finished requests' cached
-  blocks were dropped).
+  blocks were dropped);
+- ``manager.pause()`` (a context manager holding the generation loop while the caller changes the model) exists from
+  5.18.
 
 Read off every minor release's newest patch (``cbverify matrix --all-minors 5.8`` builds them all).
 
@@ -27,11 +29,13 @@ from contextlib import contextmanager
 
 import transformers
 from transformers.generation import ContinuousBatchingConfig
+from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 
 VERSION = transformers.__version__
 FIELDS = frozenset(ContinuousBatchingConfig.__dataclass_fields__)
 PAGE_FIELD = "page_size" if "page_size" in FIELDS else "block_size"
 DEFAULT_PAGE_SIZE: int = ContinuousBatchingConfig.__dataclass_fields__[PAGE_FIELD].default
+CAN_PAUSE: bool = hasattr(ContinuousBatchingManager, "pause")
 
 
 class MissingFeature(ValueError):

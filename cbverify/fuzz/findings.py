@@ -75,25 +75,6 @@ FUZZ_FINDINGS: tuple[FuzzFinding, ...] = (
         transformers="<5.9",
     ),
     FuzzFinding(
-        id="cb-per-request-sampling-collapses",
-        engine="transformers-cb",
-        checks=("logprobs",),
-        when="per_request_processors=True and sampling",
-        applies=lambda case: bool(case.generation.get("do_sample") and case.config.get("per_request_processors")),
-        evidence="with per-request temperature / top_k / top_p every sampled token comes back with log-prob 0.0 "
-        "(the oracle's processed log-prob is < 0): the same failure as the engine finding of that name",
-        repro=FuzzCase(
-            "transformers-cb",
-            "tiny-llama-arith",
-            False,
-            {**_CB, "per_request_processors": True},
-            {"do_sample": True},
-            (Step("call", (FuzzRequest("r", ARITH, 4, (), 1.0, 10, 0.95),)),),
-        ),
-        affected="transformers 5.8.1; not 5.9.0 to 5.24.0 (cbverify matrix --all-minors 5.8)",
-        transformers="<5.9",
-    ),
-    FuzzFinding(
         id="cb-leaves-model-in-eval-mode",
         engine="transformers-cb",
         checks=("state:training-mode",),

@@ -4,6 +4,7 @@ with*, and the model state judged at the end. Also what the case exercised (for 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from cbverify.fuzz.case import FuzzCase
@@ -61,6 +62,21 @@ class Pristine:
             self.model.set_attn_implementation(self.attn)
 
 
+@contextmanager
+def _oracle_view(model, attn: str):
+    """The oracle judges with the caller's attention implementation even where the engine left another installed
+    (transformers 5.8 leaves its paged attention: judged once, as ``state:attn-implementation``); the engine's choice
+    is put back afterwards, so its next call runs on the model as it left it."""
+    left = model.config._attn_implementation
+    if left != attn:
+        model.set_attn_implementation(attn)
+    try:
+        yield
+    finally:
+        if model.config._attn_implementation != left:
+            model.set_attn_implementation(left)
+
+
 def run_case(model, case: FuzzCase, session_factory=Session) -> Outcome:
     """Run ``case`` on ``model`` (restored by the caller) and judge it."""
     outcome = Outcome(features=features(case))
@@ -74,7 +90,8 @@ def run_case(model, case: FuzzCase, session_factory=Session) -> Outcome:
                 result = session.call(step)
                 if result.evictions:
                     outcome.features.add("evicted")
-                outcome.failures += judge_call(model, case, step, result)
+                with _oracle_view(model, before["attn_implementation"]):
+                    outcome.failures += judge_call(model, case, step, result)
             elif step.kind == "train":
                 session.train_step(step.seed)
             else:

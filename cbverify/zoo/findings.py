@@ -29,17 +29,17 @@ class ArchitectureFinding:
 ZOO_SEEN = "transformers 5.24.0 (torch 2.13.0, CPU, float32; the only version the zoo was run on)"
 ARCHITECTURE_FINDINGS: tuple[ArchitectureFinding, ...] = (
     ArchitectureFinding(
-        id="cb-per-request-sampling-collapses",
+        id="cb-leaves-paged-attention",
         engine="transformers-cb",
         architectures=(),
         affected="transformers 5.8.1 (torch 2.13.0, CPU, float32, tiny-llama-arith); not 5.9.0 to 5.24.0 (cbverify "
         "matrix --all-minors 5.8)",
-        evidence="with per-request temperature / top_k / top_p (per_request_processors=True), a group of four "
-        "T=1 top-k 10 top-p 0.95 requests returns four identical completions, each token with log-prob 0.0 where "
-        "the reference's processed log-prob is -1.55 or -inf (outside the top-p support); a distribution test "
-        "sees one token 200 times out of 200; seeds 11 and 12 give the same 48 sampled tokens",
+        evidence="after a manager is stopped the model's attn_implementation is 'paged|sdpa' (was 'sdpa'): every "
+        "later forward of the caller, the oracle's included, runs the paged kernels (teacher-forced log-probs of the "
+        "trained Llama then off by up to 15 nats: the trainer-side effect is the upstream finding "
+        "cb-leaves-paged-attention-for-training)",
         transformers="<5.9",
-        problems=("log-probs off", "sampling distribution"),
+        problems=("model state changed by the engine: attn_implementation",),
     ),
     ArchitectureFinding(
         id="cb-ignores-attention-softcap",
