@@ -10,7 +10,7 @@ export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PYTHONHASHSEED := 0
 
-.PHONY: verify test test-slow test-gpu bench fuzz lint models constraints clean
+.PHONY: verify test test-slow test-gpu bench fuzz mutate lint models constraints clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ fuzz: $(STAMP)  ## a long search of transformers CB's configurations and call pa
 	$(BIN)/cbverify fuzz --engine transformers-cb --examples 200 --out fuzz-out
 	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest property_tests/test_cb_state_machine.py --max-examples 400
 
+mutate: $(STAMP)  ## mutation testing of reference/, cb_impl/ and the judging modules (mutmut, [tool.mutmut]; hours)
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,mutate]'
+	HYPOTHESIS_PROFILE=dev $(BIN)/mutmut run --max-children 2
+	$(BIN)/mutmut results --all true > mutation-results.txt; echo "per-mutant results in mutation-results.txt"
+
 bench: $(STAMP)
 	$(BIN)/python -m pytest -m bench --benchmark-autosave --benchmark-storage=bench-results/pytest
 
@@ -50,4 +55,4 @@ constraints: $(STAMP)
 	 $(BIN)/python -m pip freeze --exclude-editable | sed 's/+cpu//') | sort -f > constraints.txt
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis bench-results
+	rm -rf $(VENV) .pytest_cache .hypothesis bench-results mutants mutation-results.txt
