@@ -9,7 +9,7 @@ import json
 import pytest
 
 from cbverify.cli import upstream
-from cbverify.upstream import matrix
+from cbverify.upstream import matrix_checks as matrix
 from cbverify.upstream.findings import FAIL, FINDINGS, NA, PASS, CheckResult, by_id
 from cbverify.upstream.scenario import PATHS, TrainerScenario
 from cbverify.upstream.suite import CHECKS, DEFAULT_SCENARIOS, judge

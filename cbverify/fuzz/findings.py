@@ -48,7 +48,28 @@ def _top_k_zero(case: FuzzCase) -> bool:
     return bool(sampled) and any(r.top_k == 0 for r in case.requests)
 
 
+def _cache_fits_exactly(case: FuzzCase) -> bool:
+    """``num_blocks`` no larger than the longest request's pages: ceil((prompt + max_new_tokens) / page)."""
+    page = case.config.get("page_size") or case.config.get("block_size")
+    need = max(-(-(len(r.prompt_ids) + r.max_new_tokens) // page) for r in case.requests)
+    return case.config.get("num_blocks") is not None and case.config["num_blocks"] <= need
+
+
 FUZZ_FINDINGS: tuple[FuzzFinding, ...] = (
+    FuzzFinding(
+        id="cb-cache-needs-a-spare-page",
+        engine="transformers-cb",
+        checks=("engine-crash", "lost-request", "request-failed"),
+        when="num_blocks no larger than the longest request's pages",
+        applies=_cache_fits_exactly,
+        evidence="one greedy request of a 3-token prompt and max_new_tokens=1 (4 tokens) with page_size=4, "
+        "num_blocks=1: the generation thread dies with RuntimeError('No requests can be scheduled and no request "
+        "can be offloaded.') (prepare_next_batch, a lone active request the scheduler will not fit) and the request "
+        "never returns; with one spare page it is served",
+        repro=_one_call(FuzzRequest("r", (1, 6, 19), 1, (2,)), num_blocks=1, max_batch_tokens=4),
+        affected="transformers 5.8.1; not 5.9.0 to 5.24.0 (cbverify matrix --all-minors 5.8 --fuzz 100)",
+        transformers="<5.9",
+    ),
     FuzzFinding(
         id="cb-reseeds-global-rng",
         engine="transformers-cb",

@@ -7,6 +7,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import torch
+
 from cbverify.fuzz.case import FuzzCase
 from cbverify.fuzz.drivers import Session, snapshot
 from cbverify.fuzz.judge import Failure, judge_call, judge_state
@@ -81,6 +83,7 @@ def run_case(model, case: FuzzCase, session_factory=Session) -> Outcome:
     """Run ``case`` on ``model`` (restored by the caller) and judge it."""
     outcome = Outcome(features=features(case))
     model.train(case.caller_training)
+    torch.rand(1)  # the caller's RNG is mid-stream: a state fresh from manual_seed(s) would hide a reseed with s
     before = snapshot(model)
     session = session_factory(model=model, case=case)
     try:
