@@ -166,7 +166,9 @@ FINDINGS: tuple[Finding, ...] = (
         path="cb",
         when="repetition_penalty != 1.0",
         applies=lambda s: s.repetition_penalty != 1.0,
-        affected="transformers 5.16.1 to 5.24.0 + trl 1.16.0 (the matrix); not 5.8.1 to 5.15.1, nor 5.16.0",
+        affected="transformers 5.24.0 + trl 1.16.0 on the random Qwen2; not 5.8.0 or 5.16.0 (an earlier run); the "
+        "matrix's trained Llama cannot show it (the penalty changes none of its greedy choices: NOT-APPLICABLE on "
+        "every release), so releases in between are unconfirmed; the fuzzer sees the manager drop it on all of them",
         transformers=">5.16.0",
         evidence="ContinuousBatchingLogitsProcessorList drops RepetitionPenaltyLogitsProcessor "
         "(supports_continuous_batching=False, drop_unsupported_processors=True) with only a logger warning: "
