@@ -57,6 +57,31 @@ def _cache_fits_exactly(case: FuzzCase) -> bool:
 
 FUZZ_FINDINGS: tuple[FuzzFinding, ...] = (
     FuzzFinding(
+        id="cb-training-forward-fails-while-paused",
+        engine="transformers-cb",
+        checks=("engine-crash",),
+        when="a persistent manager and a training step between calls (inside manager.pause())",
+        applies=lambda case: case.persistent and any(s.kind == "train" for s in case.steps),
+        evidence="the caller's training forward inside manager.pause() raises ValueError: `paged|sdpa` was called "
+        "without a paged attention cache (the paused manager keeps its paged attention installed on the model); "
+        "the same program passes on 5.19.0 and later",
+        repro=FuzzCase(
+            "transformers-cb",
+            "tiny-llama-arith",
+            True,
+            _CB,
+            {"do_sample": False},
+            (
+                Step("call", (FuzzRequest("c0-r", PROMPT, 2, (2,)),)),
+                Step("train", seed=1),
+                Step("call", (FuzzRequest("c1-r", PROMPT, 2, (2,)),)),
+            ),
+        ),  # fmt: skip
+        affected="transformers 5.18.0; not 5.19.0 to 5.24.0; not drawn before 5.18 (no pause()) (cbverify matrix "
+        "--all-minors 5.8 --fuzz 100)",
+        transformers=">=5.18,<5.19",
+    ),
+    FuzzFinding(
         id="cb-cache-needs-a-spare-page",
         engine="transformers-cb",
         checks=("engine-crash", "lost-request", "request-failed"),
