@@ -24,6 +24,8 @@ def test_every_registered_fuzz_finding_still_reproduces(llama, finding):
     """Strict both ways (``cbverify matrix`` runs it on every release): inside the finding's ``transformers`` range
     the repro must fail as registered (the day upstream fixes it this fails and the entry is updated), outside it
     the repro must pass (else the range is mis-scoped)."""
+    if not finding.applies(finding.repro):  # e.g. a paused manager before transformers had pause()
+        pytest.skip(f"{finding.id}: its repro cannot be expressed on transformers {transformers.__version__}")
     pristine = Pristine(llama.model)
     try:
         checks = run_case(llama.model, finding.repro).checks

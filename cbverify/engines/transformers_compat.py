@@ -8,8 +8,9 @@ Everything of transformers CB that cbverify touches and that changed between 5.8
 - ``seed`` exists from 5.9 (the manager then calls ``torch.manual_seed(seed)`` when it is built; before, it samples
   from whatever state torch's global RNG is in, so a caller seeds that itself);
 - ``max_requests_per_batch`` exists from 5.11;
-- a dead generation thread's error is ``manager.fatal_error`` before 5.10 and
-  ``manager.background_thread_status.fatal_error`` from 5.10; ``manager.destroy()`` exists from 5.10;
+- a dead generation thread's error is ``manager.fatal_error`` up to 5.16 (5.10 to 5.16 also have a
+  ``background_thread_status`` without it) and ``manager.background_thread_status.fatal_error`` in later releases;
+  ``manager.destroy()`` exists from 5.10;
 - an eviction is ``OffloadingManager.offload_one_request()`` up to 5.12 and ``offload_requests()`` from 5.13
   (returning how many it evicted up to 5.17, a bool from 5.18 that is also True when only finished requests' cached
   blocks were dropped);
@@ -68,9 +69,12 @@ def init_manager(model, generation_config, **options):
 
 
 def fatal_error(manager) -> BaseException | None:
-    """The exception that killed the manager's generation thread, if any."""
-    status = getattr(manager, "background_thread_status", None)
-    return getattr(status if status is not None else manager, "fatal_error", None)
+    """The exception that killed the manager's generation thread, if any (on the manager itself or on its
+    ``background_thread_status``, depending on the release: both are looked at)."""
+    for holder in (getattr(manager, "background_thread_status", None), manager):
+        if getattr(holder, "fatal_error", None) is not None:
+            return holder.fatal_error
+    return None
 
 
 def destroy(manager) -> None:

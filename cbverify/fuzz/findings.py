@@ -61,7 +61,7 @@ FUZZ_FINDINGS: tuple[FuzzFinding, ...] = (
         engine="transformers-cb",
         checks=("engine-crash",),
         when="a persistent manager and a training step between calls (inside manager.pause())",
-        applies=lambda case: case.persistent and any(s.kind == "train" for s in case.steps),
+        applies=lambda case: compat.CAN_PAUSE and case.persistent and any(s.kind == "train" for s in case.steps),
         evidence="the caller's training forward inside manager.pause() raises ValueError: `paged|sdpa` was called "
         "without a paged attention cache (the paused manager keeps its paged attention installed on the model); "
         "the same program passes on 5.19.0 and later",
@@ -90,10 +90,12 @@ FUZZ_FINDINGS: tuple[FuzzFinding, ...] = (
         evidence="one greedy request of a 3-token prompt and max_new_tokens=1 (4 tokens) with page_size=4, "
         "num_blocks=1: the generation thread dies with RuntimeError('No requests can be scheduled and no request "
         "can be offloaded.') (prepare_next_batch, a lone active request the scheduler will not fit) and the request "
-        "never returns; with one spare page it is served",
+        "never returns (5.17.0: the request comes back failed with the same message); with one spare page it is "
+        "served",
         repro=_one_call(FuzzRequest("r", (1, 6, 19), 1, (2,)), num_blocks=1, max_batch_tokens=4),
-        affected="transformers 5.8.1; not 5.9.0 to 5.24.0 (cbverify matrix --all-minors 5.8 --fuzz 100)",
-        transformers="<5.9",
+        affected="transformers 5.8.1 to 5.17.0; not 5.18.0 to 5.24.0 (the repro in every venv of cbverify matrix "
+        "--all-minors 5.8; the fuzzer found it on 5.8.1)",
+        transformers="<5.18",
     ),
     FuzzFinding(
         id="cb-reseeds-global-rng",
