@@ -20,6 +20,11 @@ StepKind = Literal["call", "train", "update_weights"]
 CALL_PATTERNS = ("one-call", "several-calls", "persistent", "persistent+train", "persistent+weights")
 
 
+def pages_needed(requests, page: int) -> int:
+    """KV pages (blocks) the longest of ``requests`` needs: ceil((prompt + max_new_tokens) / page)."""
+    return max(-(-(len(r.prompt_ids) + r.max_new_tokens) // page) for r in requests)
+
+
 @dataclass(frozen=True, slots=True)
 class FuzzRequest:
     request_id: str

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cbverify.engines import transformers_compat as compat
-from cbverify.fuzz.case import FuzzCase, FuzzRequest, Step
+from cbverify.fuzz.case import FuzzCase, FuzzRequest, Step, pages_needed
 from cbverify.upstream.findings import transformers_in
 
 SEEN = "transformers 5.24.0 (torch 2.13.0, CPU, float32, tiny-llama-arith)"
@@ -51,8 +51,7 @@ def _top_k_zero(case: FuzzCase) -> bool:
 def _cache_fits_exactly(case: FuzzCase) -> bool:
     """``num_blocks`` no larger than the longest request's pages: ceil((prompt + max_new_tokens) / page)."""
     page = case.config.get("page_size") or case.config.get("block_size")
-    need = max(-(-(len(r.prompt_ids) + r.max_new_tokens) // page) for r in case.requests)
-    return case.config.get("num_blocks") is not None and case.config["num_blocks"] <= need
+    return case.config.get("num_blocks") is not None and case.config["num_blocks"] <= pages_needed(case.requests, page)
 
 
 FUZZ_FINDINGS: tuple[FuzzFinding, ...] = (

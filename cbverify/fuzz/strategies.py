@@ -7,12 +7,10 @@ budgets), completions up to 10 tokens, 1-3 calls of 1-3 GRPO groups of 1-3 sampl
 
 from __future__ import annotations
 
-import math
-
 from hypothesis import strategies as st
 
 from cbverify.engines import transformers_compat as compat
-from cbverify.fuzz.case import FuzzCase, FuzzRequest, Step
+from cbverify.fuzz.case import FuzzCase, FuzzRequest, Step, pages_needed
 from reference import tasks
 
 # older transformers lack the field (cbverify.engines.transformers_compat): its default only
@@ -49,10 +47,6 @@ def fuzz_request_groups(draw, *, call: int, sampled: bool, per_request: bool, ma
     return out
 
 
-def _blocks(requests, page: int) -> int:
-    return max(math.ceil((len(r.prompt_ids) + r.max_new_tokens) / page) for r in requests)
-
-
 @st.composite
 def fuzz_cases(draw, *, engine: str, model: str = "tiny-llama-arith") -> FuzzCase:
     """An engine configuration, manager-wide generation options and a program of calls, trainings and updates."""
@@ -78,7 +72,7 @@ def fuzz_cases(draw, *, engine: str, model: str = "tiny-llama-arith") -> FuzzCas
     requests = [r for s in steps for r in s.requests]
     if engine == "transformers-cb":
         page = draw(st.sampled_from([4, 8, 16]))
-        need = _blocks(requests, page)
+        need = pages_needed(requests, page)
         config = dict(
             page_size=page, num_blocks=need + draw(st.sampled_from([0, 1, 2, 4, 3 * need])),
             max_batch_tokens=draw(st.sampled_from([4, 7, 16, 64, 256])),
@@ -90,7 +84,7 @@ def fuzz_cases(draw, *, engine: str, model: str = "tiny-llama-arith") -> FuzzCas
             config["seed"] = draw(st.integers(0, 2**31 - 1))
     elif engine == "cb_impl":
         block = draw(st.sampled_from([1, 2, 4, 16]))
-        need = _blocks(requests, block)
+        need = pages_needed(requests, block)
         config = dict(
             block_size=block, num_blocks=need + draw(st.sampled_from([0, 1, 2, 3 * need])),
             max_batch_tokens=draw(st.sampled_from([2, 5, 16, 512])), max_num_seqs=draw(st.sampled_from([1, 2, 256])),

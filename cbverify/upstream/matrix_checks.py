@@ -68,7 +68,7 @@ def upstream_rows(python: str, args, out: Path, log) -> tuple[list[dict], dict]:
 
 def pytest_rows(python: str, args, out: Path, log) -> list[dict]:
     out.unlink(missing_ok=True)
-    rc, last = _run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", f"--junitxml={out}",
+    _run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", f"--junitxml={out}",
                      *PYTEST_TARGETS], log, args.timeout)  # fmt: skip
     if not out.is_file():
         return [_row("pytest (compat, fuzz findings)", "pytest", "ERROR", False)]
