@@ -10,7 +10,7 @@ export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PYTHONHASHSEED := 0
 
-.PHONY: verify test test-slow test-gpu bench fuzz mutate lint models constraints clean
+.PHONY: verify test test-slow test-gpu bench fuzz fuzz-trl mutate lint models constraints clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,9 +36,12 @@ fuzz: $(STAMP)  ## a long search of transformers CB's configurations and call pa
 	$(BIN)/cbverify fuzz --engine transformers-cb --examples 200 --out fuzz-out
 	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest property_tests/test_cb_state_machine.py --max-examples 400
 
+fuzz-trl: $(STAMP)  ## TRL's GRPO trainer over many drawn configurations, every optimizer step against the reference
+	CBVERIFY_TRL_EXAMPLES=200 HYPOTHESIS_PROFILE=dev $(BIN)/python -m pytest property_tests/test_trl_config_space.py
+
 mutate: $(STAMP)  ## mutation testing of reference/, cb_impl/ and the judging modules (mutmut, [tool.mutmut]; hours)
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,mutate]'
-	HYPOTHESIS_PROFILE=dev $(BIN)/mutmut run --max-children 2
+	OMP_NUM_THREADS=1 HYPOTHESIS_PROFILE=dev $(BIN)/mutmut run --max-children 2
 	$(BIN)/mutmut results --all true > mutation-results.txt; echo "per-mutant results in mutation-results.txt"
 
 bench: $(STAMP)

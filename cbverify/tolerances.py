@@ -199,6 +199,14 @@ class Closeness:
 # atol: advantages are O(1), so 1e-6 absolute is float32 epsilon with margin; gradients per token are O(1 / tokens).
 TRAINER_FP32 = Closeness(rtol=1e-5, atol=1e-6, reason="float32 trainer math vs the float64 oracle (see comment)")
 TRAINER_FP32_GRAD_ATOL = 1e-8  # per-token loss gradients are ~1e-2 .. 1e-4: 1e-8 is below float32 resolution there
+# The gradient TRL hands the optimizer (float32 forward and backward through the model, accumulated over the window)
+# vs the float64 oracle's: |g - g_ref| over all parameters, relative to the step's cancellation-free scale (the norm of
+# the gradient with every advantage made positive: float32 rounds each row's term, not their sum). Measured on clean
+# runs of the bundled arithmetic Llama: 2e-6 .. 1.2e-5 at T = 1.5, up to 1.3e-4 at T = 1 (the trained model is sure
+# of its tokens, and float32 loses the 1 - p of a log-softmax gradient at p ~ 0.999: 6e-8 / 1e-3); 1e-3 leaves ~8x.
+TRAINER_FP32_PARAM_GRAD = 1e-3
+# Numbers TRL logs per optimizer step (entropy, clip ratios, KL, grad norm): float32 means of float32 values.
+TRAINER_METRIC = Closeness(rtol=1e-4, atol=1e-6, reason="float32 logged means vs the float64 oracle")
 
 # float64 GRPO math against TRL's own code on the same float64 inputs, or against a second float64 formula: only the
 # summation order differs (~1e-12 relative measured), 1e-6 leaves a wide margin yet catches any real formula change.

@@ -266,6 +266,49 @@ def trainer_scenarios(
 
 
 @st.composite
+def trainer_configs(draw, *, loss_types: tuple[str, ...], max_steps: int = 3):
+    """A ``TrainerScenario`` for the step checks (``cbverify.upstream.steps``): GRPO on the oracle's ``rollout_func``
+    with every ``GRPOConfig`` field that changes the math or its bookkeeping drawn: loss type, beta, clipping,
+    importance-sampling level, iterations, generation and accumulation steps (equal and different), batch and group
+    sizes, completion length with truncation masking (2-operand prompts: some completions end on EOS within the
+    drawn length, some are cut), reward scaling, several reward functions (some returning ``None`` for some or all
+    rows) with weights, the entropy mask, gradient clipping and the IS-correction fields (inert without vLLM)."""
+    from math import gcd
+
+    from cbverify.upstream.scenario import TrainerScenario
+
+    num_generations = draw(st.integers(2, 3))
+    spg = draw(st.integers(1, 3))
+    unit = num_generations // gcd(num_generations, spg)  # the micro-batch size must make whole groups per batch
+    per_device = unit * draw(st.integers(1, max(1, 6 // unit)))
+    gas = draw(st.sampled_from([spg, spg, 1, 2, 3]))
+    num_iterations = draw(st.sampled_from([1, 1, 2]))
+    steps_needed = -(-spg * num_iterations // gas) + 1  # past the first generation batch
+    loss_type = draw(st.sampled_from(loss_types))
+    more = draw(st.lists(st.sampled_from(["digits", "parity", "unscored", "constant"]), max_size=2, unique=True))
+    weights = None
+    if draw(st.booleans()):
+        weights = tuple(draw(st.sampled_from([1.0, 0.5, 2.0, -1.0])) for _ in range(1 + len(more)))
+    return TrainerScenario(
+        path="rollout_func", rollout_backend="reference", trainer="grpo",
+        num_generations=num_generations, per_device_train_batch_size=per_device, steps_per_generation=spg,
+        gradient_accumulation_steps=gas, num_iterations=num_iterations, max_steps=min(max_steps, steps_needed),
+        max_completion_length=draw(st.integers(11, 16)), mask_truncated_completions=draw(st.booleans()), max_terms=2,
+        temperature=draw(st.sampled_from([1.0, 1.5])), loss_type=loss_type,
+        beta=draw(st.sampled_from([0.0, 0.0, 0.04])), epsilon=draw(st.sampled_from([0.2, 0.05])),
+        epsilon_high=draw(st.sampled_from([None, 0.28, 1.02] if loss_type == "cispo" else [None, 0.28])),
+        delta=draw(st.sampled_from([None, None, 1.1])),
+        importance_sampling_level=draw(st.sampled_from(["token", "sequence"])),
+        scale_rewards=draw(st.sampled_from(["group", "batch", "none"])),
+        reward=draw(st.sampled_from(["arithmetic", "length"])), more_rewards=tuple(more), reward_weights=weights,
+        top_entropy_quantile=draw(st.sampled_from([1.0, 1.0, 0.5, 0.0])),
+        max_grad_norm=draw(st.sampled_from([1.0, 0.0, 0.01])),
+        is_correction=draw(st.booleans()), is_mode=draw(st.sampled_from(["sequence_mask", "token_truncate"])),
+        is_clip_max=draw(st.sampled_from([3.0, 1.5])), seed=draw(st.integers(0, 2**16)), num_prompts=1,
+    )  # fmt: skip
+
+
+@st.composite
 def logits_batches(draw, *, max_rows: int = 6, max_vocab: int = 48) -> torch.Tensor:
     """(R, V) float32 logits; ``integers`` mode makes exact ties (also at the top-k boundary) common."""
     rows, vocab = draw(st.integers(1, max_rows)), draw(st.integers(2, max_vocab))

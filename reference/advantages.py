@@ -22,8 +22,11 @@ Unscorable completions (reward NaN) follow TRL 1.16.0 (``GRPOTrainer._generate_a
 Exceptions copied from TRL: with ``num_generations == 1`` the group std is 0 (not NaN), and with a batch of one
 reward the batch std is 0.
 
-Simplifications versus TRL: one reward function (TRL sums several weighted reward functions first, and offers a
-``normalize_then_sum`` aggregation); no multi-process gather/slice; float64 throughout.
+Several reward functions (:func:`combine_rewards`, TRL's default ``sum_then_normalize``): a row's reward is the
+weighted sum of the functions that scored it (a function returning ``None`` for a row is left out of that row's sum);
+a row that no function scored is unscorable (NaN), whatever the weights.
+
+Simplifications versus TRL: no ``normalize_then_sum`` aggregation; no multi-process gather/slice; float64 throughout.
 """
 
 from __future__ import annotations
@@ -83,3 +86,21 @@ def compute_advantages(rewards: torch.Tensor, num_generations: int, scale_reward
                 advantage = advantage / (std + EPS)
             advantages.append(0.0 if math.isnan(advantage) else advantage)
     return torch.tensor(advantages, dtype=torch.float64, device=rewards.device)  # (B,)
+
+
+def combine_rewards(rewards_per_func: list[list[float | None]], weights: list[float] | None = None) -> torch.Tensor:
+    """(B,) float64 rewards from ``rewards_per_func[f][b]`` (function ``f``'s reward for row ``b``, ``None`` if it did
+    not score the row): the weighted sum over the functions that scored the row, NaN for a row none scored."""
+    if not rewards_per_func:
+        raise ValueError("need at least one reward function")
+    weights = [1.0] * len(rewards_per_func) if weights is None else list(weights)
+    if len(weights) != len(rewards_per_func):
+        raise ValueError(f"{len(weights)} weights for {len(rewards_per_func)} reward functions")
+    rows = {len(column) for column in rewards_per_func}
+    if len(rows) != 1:
+        raise ValueError(f"reward functions returned different numbers of rows: {sorted(rows)}")
+    out = []
+    for b in range(rows.pop()):
+        scored = [(w, column[b]) for w, column in zip(weights, rewards_per_func, strict=True) if column[b] is not None]
+        out.append(sum(w * float(r) for w, r in scored) if scored else math.nan)
+    return torch.tensor(out, dtype=torch.float64)  # (B,)

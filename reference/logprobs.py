@@ -1,17 +1,19 @@
 """Teacher-forced log-probabilities of given completions: what the trainer sees, and what the sampler used.
 
 For a pair (prompt, completion) of lengths P and L, one forward over ``prompt + completion`` (shape (1, P + L)) gives
-the logits that predicted completion token ``i`` at row ``P - 1 + i``. Logits are cast to float32 before anything else.
+the logits that predicted completion token ``i`` at row ``P - 1 + i``. Logits are cast to float32 before anything else
+(a float64 model keeps float64: the trainer-math checks recompute gradients in float64).
 
 - :func:`per_token_logps` has TRL's trainer semantics (``GRPOTrainer._get_per_token_logps_and_entropies``):
   ``log_softmax(logits / T)`` over the full vocabulary, read at each completion token.
 - :func:`processed_per_token_logps` applies ``reference.generate.process_logits`` (temperature -> top-k -> top-p ->
   min-p, renormalised): the log-prob of each token under the distribution a sampler drew it from. A token outside
   the kept set gets ``-inf``.
+- :func:`per_token_entropies`: the entropy of the same full-support distribution at each completion position.
 
 Simplifications versus TRL: one unpadded forward per pair (TRL pads a batch and slices ``logits_to_keep``), no
-entropy, no ``torch.compile``, no chunking of the vocabulary; TRL computes in the model's dtype, here the logits are
-always cast to float32 first.
+``torch.compile``, no chunking of the vocabulary; TRL computes in the model's dtype, here the logits are always cast
+to float32 (or wider) first.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from reference.spec import SamplingParams
 def completion_logits(
     model, prompt_ids: Sequence[int], completion_ids: Sequence[int], *, grad: bool = False
 ) -> torch.Tensor:
-    """(L, V) float32 raw logits; row ``i`` is the model's prediction for ``completion_ids[i]``.
+    """(L, V) raw logits, float32 (float64 for a float64 model); row ``i`` predicts ``completion_ids[i]``.
 
     An empty completion gives a (0, V) tensor without running the model. ``grad=True`` keeps the autograd graph (the
     training loop differentiates through it); by default no graph is built.
@@ -38,10 +40,12 @@ def completion_logits(
     vocab_size = model.config.get_text_config().vocab_size
     device = next(model.parameters()).device
     if not completion:
-        return torch.zeros((0, vocab_size), dtype=torch.float32, device=device)
+        dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
+        return torch.zeros((0, vocab_size), dtype=dtype, device=device)
     input_ids = torch.tensor([prompt + completion], dtype=torch.long, device=device)  # (1, P + L)
     with torch.set_grad_enabled(grad):
-        logits = model(input_ids=input_ids).logits[0].to(torch.float32)  # (P + L, V)
+        logits = model(input_ids=input_ids).logits[0]
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (P + L, V)
     first = len(prompt) - 1
     return logits[first : first + len(completion)]  # (L, V)
 
@@ -72,6 +76,25 @@ def per_token_logps(
         logps = torch.log_softmax(logits / temperature, dim=-1)  # (L, V)
         targets = torch.tensor(list(completion), dtype=torch.long, device=logits.device)  # (L,)
         out.append(logps[torch.arange(len(targets), device=logits.device), targets])  # (L,)
+    return out
+
+
+def per_token_entropies(
+    model,
+    prompt_ids_list: Sequence[Sequence[int]],
+    completion_ids_list: Sequence[Sequence[int]],
+    temperature: float = 1.0,
+) -> list[torch.Tensor]:
+    """For each pair a float32 (L_i,) tensor: the entropy in nats, ``-sum_v p_v log p_v`` with
+    ``p = softmax(logits / temperature)`` over the full vocabulary, of the distribution each completion token was
+    predicted from (what TRL's trainer logs as ``entropy`` and ranks for its entropy mask)."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 (TRL divides by it), got {temperature}")
+    _check_pairs(prompt_ids_list, completion_ids_list)
+    out: list[torch.Tensor] = []
+    for prompt, completion in zip(prompt_ids_list, completion_ids_list, strict=True):
+        logps = torch.log_softmax(completion_logits(model, prompt, completion) / temperature, dim=-1)  # (L, V)
+        out.append(-(logps.exp() * logps).sum(-1))  # (L,)
     return out
 
 

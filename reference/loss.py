@@ -20,7 +20,8 @@ Per token, with ``A`` the sequence's advantage:
    ``token_*``: ``w = exp(d)`` per token; ``sequence_*``: ``w = exp(sum_t d)`` per sequence;
    ``*_truncate``: ``w = clamp(w, clip_min, clip_max)``; ``*_mask``: ``w = 0`` where ``w < clip_min`` or
    ``w > clip_max`` (a bound of ``None`` is no bound).
-5. ``loss_token = policy_term * w + beta * kl``.
+5. ``loss_token = policy_term * m * w + beta * kl``, where ``m`` is an optional 0/1 ``policy_mask`` (TRL's entropy
+   mask: it removes a token's policy term, not its KL term, and not the token from the normaliser).
 
 Normalisers (how the masked (B, T) ``loss_token`` becomes one number):
 
@@ -34,7 +35,7 @@ Normalisers (how the masked (B, T) ``loss_token`` becomes one number):
 With ``"sequence"`` level, the (B, 1) per-sequence term is broadcast over the sequence's tokens before the
 normaliser, as TRL does (so ``dapo``/``bnpo`` weight sequences by length).
 
-Simplifications versus TRL: no entropy mask or entropy bonus, no off-policy sequence mask, no ``sapo``, ``luspo``
+Simplifications versus TRL: no entropy bonus, no off-policy sequence mask, no ``sapo``, ``luspo``
 or ``vespo`` losses, no tool mask, no gradient-accumulation or multi-process scaling; float64 welcome.
 """
 
@@ -150,6 +151,7 @@ def grpo_loss(
     config: LossConfig,
     *,
     num_items_in_batch: float | None = None,
+    policy_mask: torch.Tensor | None = None,  # (B, T) 0/1: tokens whose policy term counts (entropy mask)
 ) -> LossOutput:
     """The GRPO loss of the module docstring, with the numbers TRL logs next to it."""
     mask = completion_mask.to(per_token_logps.dtype)  # (B, T)
@@ -182,6 +184,9 @@ def grpo_loss(
         policy_term = -torch.min(ratio * adv, clipped_ratio * adv)
         clipped_low = (ratio < 1 - config.epsilon_low) & (adv < 0)
         clipped_high = (ratio > 1 + config.epsilon_high) & (adv > 0)
+
+    if policy_mask is not None:
+        policy_term = policy_term * policy_mask.to(policy_term.dtype)
 
     is_weights = None
     if config.is_correction is not None:

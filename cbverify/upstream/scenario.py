@@ -52,8 +52,25 @@ class TrainerScenario:
     seed: int = 0
     evaluate: bool = False  # run trainer.evaluate() instead of trainer.train()
     rollout_backend: str = "cb_impl"  # rollout_func path: "cb_impl" or "reference" (ignored on other paths)
-    reward: str = "arithmetic"  # "arithmetic" or "constant" (5/7 for every completion: every group has zero variance)
+    reward: str = "arithmetic"  # the first reward function, a name in REWARDS
     extra_cb_config: tuple[tuple[str, object], ...] = field(default=())
+    # the trainer's math and bookkeeping (GRPOConfig fields of the same names; None = TRL's default)
+    more_rewards: tuple[str, ...] = ()  # further reward functions after ``reward``, names in REWARDS
+    reward_weights: tuple[float, ...] | None = None
+    scale_rewards: str = "group"
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    delta: float | None = None
+    num_iterations: int = 1
+    steps_per_generation: int | None = None  # None: gradient_accumulation_steps
+    per_device_train_batch_size: int | None = None  # None: num_prompts * num_generations
+    mask_truncated_completions: bool = False
+    top_entropy_quantile: float = 1.0
+    max_grad_norm: float = 1.0
+    is_clip_min: float | None = None  # vllm_importance_sampling_clip_min (TRL applies IS correction with vLLM only)
+    is_clip_max: float = 3.0
+    max_terms: int = 3  # operands per arithmetic prompt: 2 gives answers short enough to end on EOS
 
     def __post_init__(self) -> None:
         checks = [
@@ -71,15 +88,35 @@ class TrainerScenario:
             (self.is_mode in IS_MODES, f"is_mode must be one of {IS_MODES}, got {self.is_mode!r}"),
             (self.max_steps >= 1, f"max_steps must be >= 1, got {self.max_steps}"),
             (self.rollout_backend in ("cb_impl", "reference"), "rollout_backend: cb_impl|reference"),
-            (self.reward in ("arithmetic", "constant"), f"reward must be arithmetic|constant, got {self.reward!r}"),
-        ]
+            (all(r in REWARDS for r in self.reward_names), f"rewards must be in {sorted(REWARDS)}"),
+            (self.reward_weights is None or len(self.reward_weights) == len(self.reward_names),
+             "reward_weights needs one weight per reward function"),
+            (self.scale_rewards in ("group", "batch", "none"), "scale_rewards: group|batch|none"),
+            (self.num_iterations >= 1 and (self.steps_per_generation or 1) >= 1, "num_iterations, steps >= 1"),
+            (self.generation_batch_size % self.num_generations == 0,
+             f"generation batch {self.generation_batch_size} must be a multiple of num_generations"),
+            (0.0 <= self.top_entropy_quantile <= 1.0, "top_entropy_quantile must be in [0, 1]"),
+        ]  # fmt: skip
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
 
     @property
     def batch_size(self) -> int:
-        return self.num_prompts * self.num_generations
+        """Rows per micro-batch (``per_device_train_batch_size``)."""
+        return self.per_device_train_batch_size or self.num_prompts * self.num_generations
+
+    @property
+    def spg(self) -> int:
+        return self.steps_per_generation or self.gradient_accumulation_steps
+
+    @property
+    def generation_batch_size(self) -> int:
+        return self.batch_size * self.spg
+
+    @property
+    def reward_names(self) -> tuple[str, ...]:
+        return (self.reward, *self.more_rewards)
 
     def describe(self) -> str:
         """A short one-line label: the path, its rollout backend, and the fields that differ from the defaults."""
@@ -90,11 +127,13 @@ class TrainerScenario:
 
 
 def make_dataset(scenario: TrainerScenario):
-    """``num_prompts * max_steps * gradient_accumulation_steps`` arithmetic prompts (plain text, no chat template)."""
+    """Enough arithmetic prompts (plain text, no chat template) for every generation batch of ``max_steps`` steps."""
     from datasets import Dataset
 
-    num = scenario.num_prompts * scenario.max_steps * scenario.gradient_accumulation_steps
-    problems = tasks.make_problems(num, seed=scenario.seed, max_terms=3)
+    micro_steps = scenario.max_steps * scenario.gradient_accumulation_steps
+    generations = -(-micro_steps // (scenario.spg * scenario.num_iterations))
+    num = scenario.generation_batch_size // scenario.num_generations * generations
+    problems = tasks.make_problems(num, seed=scenario.seed, max_terms=scenario.max_terms)
     return Dataset.from_list([{"prompt": p.prompt, "answer": p.answer} for p in problems])
 
 
@@ -114,6 +153,30 @@ def constant_reward(prompts, **_) -> list[float]:
     return [5.0 / 7.0] * len(prompts)
 
 
+def length_reward(prompts, completions, completion_ids, **_) -> list[float]:
+    """Shorter is better: ``-len / 8``."""
+    return [-len(ids) / 8.0 for ids in completion_ids]
+
+
+def digit_reward(prompts, completions, completion_ids, **_) -> list[float | None]:
+    """The number of digits in the completion, or ``None`` (not scored) when it holds none."""
+    return [float(sum(ch.isdigit() for ch in text)) or None for text in completions]
+
+
+def parity_reward(prompts, completions, completion_ids, **_) -> list[float | None]:
+    """1 for an even token sum, ``None`` (not scored) for an odd one: about half the rows go unscored."""
+    return [1.0 if sum(ids) % 2 == 0 else None for ids in completion_ids]
+
+
+def unscored_reward(prompts, **_) -> list[None]:
+    """Scores nothing (a reward function that applies to none of the rows)."""
+    return [None] * len(prompts)
+
+
+REWARDS = {"arithmetic": arithmetic_reward, "constant": constant_reward, "length": length_reward,
+           "digits": digit_reward, "parity": parity_reward, "unscored": unscored_reward}  # fmt: skip
+
+
 def _common_args(scenario: TrainerScenario, output_dir: str) -> dict:
     import torch
 
@@ -124,7 +187,8 @@ def _common_args(scenario: TrainerScenario, output_dir: str) -> dict:
         max_completion_length=scenario.max_completion_length, temperature=scenario.temperature,
         top_k=scenario.top_k, top_p=scenario.top_p, min_p=scenario.min_p or None,
         repetition_penalty=scenario.repetition_penalty, max_steps=scenario.max_steps, seed=scenario.seed,
-        save_strategy="no", logging_steps=1, disable_tqdm=True, learning_rate=1e-3, beta=0.0,
+        save_strategy="no", logging_steps=1, disable_tqdm=True, learning_rate=1e-3, beta=scenario.beta,
+        max_grad_norm=scenario.max_grad_norm,
     )  # fmt: skip
     if scenario.greedy:
         args["generation_kwargs"] = {"do_sample": False}
@@ -135,6 +199,25 @@ def _common_args(scenario: TrainerScenario, output_dir: str) -> dict:
     return args
 
 
+def _math_args(scenario: TrainerScenario) -> dict:
+    """The GRPO-only fields of the trainer's math; a field left at TRL's default is not passed (older releases may
+    lack it)."""
+    args = dict(epsilon=scenario.epsilon, num_iterations=scenario.num_iterations,
+                scale_rewards=scenario.scale_rewards)  # fmt: skip
+    default_max = 3.0  # vllm_importance_sampling_clip_max's default
+    optional = dict(
+        epsilon_high=scenario.epsilon_high,
+        delta=scenario.delta,
+        steps_per_generation=scenario.steps_per_generation,
+        reward_weights=list(scenario.reward_weights) if scenario.reward_weights else None,
+        mask_truncated_completions=scenario.mask_truncated_completions or None,
+        top_entropy_quantile=None if scenario.top_entropy_quantile == 1.0 else scenario.top_entropy_quantile,
+        vllm_importance_sampling_clip_min=scenario.is_clip_min,
+        vllm_importance_sampling_clip_max=None if scenario.is_clip_max == default_max else scenario.is_clip_max,
+    )
+    return args | {k: v for k, v in optional.items() if v is not None}
+
+
 def build_trainer(scenario: TrainerScenario, model, tokenizer, rollout_func=None):
     """A real TRL trainer for ``scenario`` on ``model`` (trained in place: pass a copy you can spare)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -142,8 +225,8 @@ def build_trainer(scenario: TrainerScenario, model, tokenizer, rollout_func=None
     output_dir = tempfile.mkdtemp(prefix="cbverify-trl-")
     args = _common_args(scenario, output_dir)
     dataset = make_dataset(scenario)
-    reward = arithmetic_reward if scenario.reward == "arithmetic" else constant_reward
-    common = dict(model=model, reward_funcs=reward, train_dataset=dataset, processing_class=tokenizer)
+    rewards = [REWARDS[name] for name in scenario.reward_names]
+    common = dict(model=model, reward_funcs=rewards, train_dataset=dataset, processing_class=tokenizer)
     if scenario.evaluate:
         common["eval_dataset"] = dataset
     if scenario.trainer == "grpo":
@@ -151,7 +234,7 @@ def build_trainer(scenario: TrainerScenario, model, tokenizer, rollout_func=None
 
         args.update(loss_type=scenario.loss_type, importance_sampling_level=scenario.importance_sampling_level,
                     vllm_importance_sampling_correction=scenario.is_correction,
-                    vllm_importance_sampling_mode=scenario.is_mode)  # fmt: skip
+                    vllm_importance_sampling_mode=scenario.is_mode, **_math_args(scenario))  # fmt: skip
         return GRPOTrainer(args=GRPOConfig(**args), rollout_func=rollout_func, **common)
     if rollout_func is not None:
         raise ValueError("RLOOTrainer (trl 1.16) takes no rollout_func: the rollout_func path is GRPO-only")
