@@ -20,6 +20,7 @@ import copy
 import math
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -148,21 +149,24 @@ def _install(trainer, record: Record) -> None:
     record.pad_token_id = trainer.processing_class.pad_token_id
 
 
-def record_run(scenario: TrainerScenario, model, tokenizer, dtype: torch.dtype = torch.float32) -> Record:
-    """Train a copy of ``model`` for ``scenario.max_steps`` optimizer steps on the ``rollout_func`` path (the oracle
-    rolls out) and record every step (see the module docstring). A trainer error is kept in ``Record.error``."""
+def record_run(scenario: TrainerScenario, model, tokenizer, prepare: Callable[[object], None] | None = None) -> Record:
+    """Train a float32 copy of ``model`` for ``scenario.max_steps`` optimizer steps on the ``rollout_func`` path (the
+    oracle rolls out) and record every step (see the module docstring). A trainer error is kept in ``Record.error``.
+    ``prepare(trainer)`` runs before the recorder is installed (the power tests inject faults with it)."""
     from cbverify.upstream.rollout import make_rollout_func
     from cbverify.upstream.run import _quiet_loggers
 
     if scenario.path != "rollout_func" or scenario.rollout_backend != "reference" or scenario.trainer != "grpo":
         raise ValueError("step checks run GRPO on the rollout_func path with the reference backend")
     torch.manual_seed(scenario.seed)
-    work = copy.deepcopy(model).to(dtype).train()
+    work = copy.deepcopy(model).float().train()
     record = Record()
     rollout_func = make_rollout_func("reference", work, tokenizer, base_seed=scenario.seed)
     with warnings.catch_warnings(), _quiet_loggers():
         warnings.simplefilter("ignore", FutureWarning)
         trainer = build_trainer(scenario, work, tokenizer, rollout_func=rollout_func)
+        if prepare is not None:
+            prepare(trainer)
         _install(trainer, record)
         try:
             trainer.train()
