@@ -69,13 +69,15 @@ def test_cbverify_upstream_lists_every_finding_with_its_evidence(capsys):
         assert f"[{f.id}]" in out and f.evidence.split()[0] in out
 
 
-def test_matrix_table_keeps_the_worst_label_per_check_and_marks_failed_installs():
+def test_matrix_table_keeps_the_worst_label_per_check_and_names_a_failed_install():
     def payload(labels):
         return {"versions": {}, "results": [{"check": "c", "path": "cb", "label": lab, "ok": True} for lab in labels]}
 
-    columns = {"a": payload(["PASS", "XFAIL(f1)", "NOT-APPLICABLE"]), "b": payload(["PASS", "FAIL"]), "c": "pip x: no"}
+    failed = matrix.install_failed("pip install trl==9.9: ResolutionImpossible")
+    columns = {"a": payload(["PASS", "XFAIL(f1)", "NOT-APPLICABLE"]), "b": payload(["PASS", "FAIL"]), "c": failed}
     header, rows = matrix.table(columns)
     assert header == ["check", "path", "a", "b", "c"]
-    assert rows == [["c", "cb", "xfail(f1)", "FAIL", "INSTALL-FAILED"]]
-    assert "| c | cb | xfail(f1) | FAIL | INSTALL-FAILED |" in matrix.render_markdown(header, rows)
+    assert rows == [["c", "cb", "xfail(f1)", "FAIL", "-"],
+                    ["venv", "-", "-", "-", "ERROR(pip install trl==9.9: ResolutionImpossible)"]]  # fmt: skip
+    assert "| c | cb | xfail(f1) | FAIL | - |" in matrix.render_markdown(header, rows)
     json.dumps(rows)  # the JSON output is plain data
