@@ -53,9 +53,11 @@ def test_the_invariant_behind_each_registered_finding_holds(finding: Finding, mo
     """Expected to fail (strict xfail) while the upstream behaviour stands; an XPASS means it was fixed upstream:
     delete the registry entry. A *partial* reproduction is a plain failure: the entry needs editing."""
     if not finding.on_installed_version():  # reported as a skip with its reason, never silently
-        import transformers
+        from cbverify.upstream.run import versions
 
-        pytest.skip(f"{finding.id} concerns transformers {finding.transformers}; installed {transformers.__version__}")
+        installed = versions()
+        pytest.skip(f"{finding.id} concerns {finding.versions()}; installed transformers {installed['transformers']}, "
+                    f"trl {installed['trl']}")  # fmt: skip
     model, tokenizer = models[finding.repro_model]
     arch = model.config.model_type
     results = _results(finding.repro, (model, tokenizer))

@@ -7,8 +7,10 @@ which versions, with one line of measured evidence. Tests assert that every regi
 any FAIL not covered here is a real failure. ``cbverify upstream`` prints this table.
 
 Evidence lines were measured on torch 2.13.0 / transformers 5.24.0 / trl 1.16.0 / accelerate 1.15.0, CPU, with the
-scenarios named in ``when``; ``affected`` lists what was verified, and each ``transformers`` range was made exact by
-``cbverify matrix --all-minors 5.8`` (the newest patch of every minor release from 5.8 to 5.24).
+scenarios named in ``when`` (a finding that only older TRL shows: on the release it names); ``affected`` lists what was
+verified, each ``transformers`` range was made exact by ``cbverify matrix --all-minors 5.8`` (the newest patch of every
+minor release from 5.8 to 5.24) and each ``trl`` range by ``cbverify matrix --all-trl-minors 1.0`` (1.0 to 1.16 beside
+transformers 5.24.0).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class Finding:
     repro_model: str = "tiny-qwen2-random"  # the bundled model the repro runs on
     data_dependent: bool = False  # shows for some data only: a PASS elsewhere is no sign of a fix (the repro is)
     transformers: str = ""  # PEP 440 specifier of the transformers versions it shows on ("" = every version seen)
+    trl: str = ""  # PEP 440 specifier of the trl versions it shows on ("" = every version seen)
 
     def covers(self, result: CheckResult, scenario, model_type: str) -> bool:
         arch_ok = not self.architectures or model_type in self.architectures
@@ -60,17 +63,27 @@ class Finding:
         return hit and arch_ok and self.on_installed_version()
 
     def on_installed_version(self) -> bool:
-        return transformers_in(self.transformers)
+        return transformers_in(self.transformers) and installed_in("trl", self.trl)
+
+    def versions(self) -> str:
+        """The version ranges it shows on, in words."""
+        return f"transformers {self.transformers or '(every version seen)'}, trl {self.trl or '(every version seen)'}"
+
+
+def installed_in(package: str, specifier: str) -> bool:
+    """Whether the installed ``package`` is in a PEP 440 ``specifier`` (an empty one means every version)."""
+    if not specifier:
+        return True
+    from importlib.metadata import version
+
+    from packaging.specifiers import SpecifierSet
+
+    return version(package) in SpecifierSet(specifier)
 
 
 def transformers_in(specifier: str) -> bool:
     """Whether the installed transformers is in a PEP 440 ``specifier`` (an empty one means every version)."""
-    if not specifier:
-        return True
-    import transformers
-    from packaging.specifiers import SpecifierSet
-
-    return transformers.__version__ in SpecifierSet(specifier)
+    return installed_in("transformers", specifier)
 
 
 PINNED = "transformers 5.24.0 + trl 1.16.0 (+ accelerate 1.15.0)"
@@ -113,14 +126,26 @@ FINDINGS: tuple[Finding, ...] = (
     ),
     Finding(
         id="cb-forces-train-mode",
-        checks=("generation_keeps_mode", "run_completes"),
+        checks=("generation_keeps_mode",),
         path="cb",
         when="trainer.evaluate()",
         applies=lambda s: s.evaluate,
         affected=ALL_SEEN,
         evidence="GRPOTrainer._generate_single_turn calls unwrapped_model.train() after generate_batch whatever the "
-        "mode was: generation during evaluate() leaves the model in train mode, and _compute_loss then takes the "
-        "train branch and raises AttributeError: no attribute 'current_gradient_accumulation_steps'",
+        "mode was: generation during evaluate() leaves the model in train mode",
+        repro=TrainerScenario(path="cb", evaluate=True),
+    ),
+    Finding(
+        id="cb-train-mode-crashes-evaluate",
+        checks=("run_completes",),
+        path="cb",
+        when="trainer.evaluate() with loss_type dapo (the default) or cispo",
+        applies=lambda s: s.evaluate and s.loss_type in ("dapo", "cispo"),
+        affected="transformers 5.24.0 + trl 1.16.0; not trl 1.8.0",
+        trl=">=1.9",
+        evidence="after cb-forces-train-mode, _compute_loss takes its train branch, which from trl 1.9 rescales the "
+        "dapo/cispo normaliser by current_gradient_accumulation_steps, an attribute only the training loop sets: "
+        "AttributeError: no attribute 'current_gradient_accumulation_steps' (1.7 and 1.8 finish evaluate())",
         repro=TrainerScenario(path="cb", evaluate=True),
     ),
     Finding(
@@ -186,6 +211,22 @@ FINDINGS: tuple[Finding, ...] = (
         "reward - mean = 5.96e-8, divided by (std + 1e-4) -> advantage 5.96e-4 for every member instead of 0 "
         "(same sign for the whole group); the float64 reference gives 0",
         repro=TrainerScenario(path="generate", num_generations=3, reward="constant"),
+        data_dependent=True,
+    ),
+    Finding(
+        id="luspo-token-level-loss-counts-padding",
+        checks=("loss_matches_reference",),
+        path="*",
+        when="loss_type='luspo' at importance_sampling_level='token' (TRL's default level), rows of unequal length",
+        applies=lambda s: s.loss_type == "luspo" and s.importance_sampling_level == "token",
+        affected="transformers 5.24.0 + trl 1.8.0; not trl 1.16.0",
+        trl="<1.10",
+        evidence="_compute_loss aggregates luspo as (per_token_loss * mask.sum(1, keepdim=True)).mean(), right only "
+        "for a (B, 1) per-sequence term: at token level the term is (B, T), so padded positions count and the mean "
+        "runs over B * T: dloss/dlogps off the reference by 6.6e-3 on the trained Llama (rows of 26 and 27 tokens); "
+        "1.10 masks first ((per_token_loss * mask).sum(-1).mean())",
+        repro=TrainerScenario(path="generate", loss_type="luspo", max_completion_length=32),
+        repro_model="tiny-llama-arith",
         data_dependent=True,
     ),
     Finding(

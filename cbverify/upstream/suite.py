@@ -89,6 +89,7 @@ DEFAULT_SCENARIOS: tuple[TrainerScenario, ...] = tuple(
         dict(path="cb", greedy=True, repetition_penalty=1.5),
         dict(path="generate", greedy=True, repetition_penalty=1.5),
         dict(path="generate", bf16=True, loss_type="bnpo"),
+        dict(path="generate", loss_type="luspo", max_completion_length=32),  # rows of unequal length (padding)
         dict(path="cb", bf16=True),
         dict(path="cb", evaluate=True),
         dict(path="cb", trainer="rloo", top_p=0.8),
