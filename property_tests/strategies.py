@@ -88,12 +88,14 @@ def grpo_batches(
     max_len: int = 6,
     nan_rewards: bool = True,
     unscored_tokens: bool = True,
+    empty_rows: bool = True,
     max_log_ratio: float = 6.0,
 ) -> dict:
     """A padded GRPO micro-batch as TRL's loss sees it, drawn in float64.
 
     Keys: ``num_generations``; ``rewards`` (B,) with NaN for unscorable completions when ``nan_rewards``;
-    ``completion_mask`` (B, T) int64 (right padding, rows may be empty, at least one token overall);
+    ``completion_mask`` (B, T) int64 (right padding, rows may be empty when ``empty_rows``, at least one token
+    overall);
     ``per_token_logps``, ``old_per_token_logps``, ``ref_per_token_logps`` (B, T) float64, log-ratios up to
     ``max_log_ratio`` in size; ``sampling_per_token_logps`` (B, T), every value float32-representable (engines report
     float32) and, when ``unscored_tokens``, NaN at a few real tokens (tokens the engine could not score). Padded
@@ -103,7 +105,11 @@ def grpo_batches(
 
     num_generations = draw(st.integers(1, max_generations))
     batch = num_generations * draw(st.integers(1, max_prompts))
-    lengths = draw(st.lists(st.integers(0, max_len), min_size=batch, max_size=batch).filter(lambda xs: max(xs) > 0))
+    lengths = draw(
+        st.lists(st.integers(0 if empty_rows else 1, max_len), min_size=batch, max_size=batch).filter(
+            lambda xs: max(xs) > 0
+        )
+    )
     width = max(lengths)
     shape = (batch, width)
     mask = torch.tensor([[1 if t < n else 0 for t in range(width)] for n in lengths], dtype=torch.int64)

@@ -21,10 +21,12 @@ that changed between 1.0 and 1.16, read in each minor release's newest patch (``
 - the IS-correction bounds: ``vllm_importance_sampling_cap`` (an upper bound) up to 1.5,
   ``vllm_importance_sampling_clip_min`` / ``_clip_max`` from 1.6.
 
-Two behaviours changed without any name to detect them by, so they are told by the version (:func:`behaviour`):
+Three behaviours changed without any name to detect them by, so they are told by the version (:func:`behaviour`):
 unscorable completions (a NaN reward: every reward function returned None) are left out of the group statistics and
 get advantage 0 from 1.6 (before, their reward counts as 0); NaN sampler log-probs (tokens an engine could not
-score) get IS weight 1 from 1.11 (before, the NaN reaches the loss).
+score) get IS weight 1 from 1.11 (before, the NaN reaches the loss); an empty completion passes through scoring from
+1.15 (before, ``_generate_and_score_completions`` decodes the padded completion ids, which an empty first row makes
+float through ``torch.tensor([])``, and the tokenizer refuses them).
 
 The same in every release (checked; nothing to adapt): the five wrapped trainer methods, ``rollout_func`` (a
 ``GRPOTrainer`` argument; ``RLOOTrainer`` never takes one), the loss types ``_compute_loss`` knows (grpo, bnpo,
@@ -60,6 +62,7 @@ PROMPT_IDS, COMPLETION_IDS, SAMPLER_LOGPROBS = (
 BEHAVIOURS = {  # behaviour -> the first release with it (nothing to detect it by; see the module docstring)
     "nan_rewards_left_out": "1.6",
     "nan_sampler_logprobs_weight_1": "1.11",
+    "empty_completions_scored": "1.15",
 }
 
 
