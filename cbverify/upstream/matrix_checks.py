@@ -7,7 +7,8 @@ Each step is this repository's own command run by the venv's interpreter; each g
    were added (:func:`cbverify.upstream.matrix.ensure_venv`), or ``ERROR(<pip's reason>)`` when it could not be
    built (:func:`install_failed`; then nothing else runs in it);
 1. ``upstream``: ``python -m cbverify upstream --run --json`` (the trainer scenarios, judged against the registry);
-2. ``pytest``: the compatibility-layer tests (``property_tests/test_transformers_compat.py``) and every registered
+2. ``pytest``: the compatibility-layer tests (``property_tests/test_transformers_compat.py``,
+   ``test_trl_compat.py``), the reference-vs-TRL loss cross-check (``test_reference_vs_trl.py``) and every registered
    fuzz finding's repro, strict both ways (inside its ``transformers`` range it must reproduce, outside it must not),
    read from a JUnit XML file;
 3. ``verify``: ``python -m cbverify verify --json`` on the bundled model: one row per engine;
@@ -31,6 +32,8 @@ RANK = {"ERROR": 6, "FAIL": 5, "FIXED?": 4, "XFAIL": 3, "PASS": 2, "NOT-APPLICAB
 SHORT = {"NOT-APPLICABLE": "n/a", "N/A": "n/a", "XFAIL": "xfail", "PASS": "pass"}
 PYTEST_TARGETS = (
     "property_tests/test_transformers_compat.py",
+    "property_tests/test_trl_compat.py",
+    "property_tests/test_reference_vs_trl.py",
     "property_tests/test_fuzz.py::test_every_registered_fuzz_finding_still_reproduces",
 )
 
