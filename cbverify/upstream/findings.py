@@ -230,6 +230,21 @@ FINDINGS: tuple[Finding, ...] = (
         data_dependent=True,
     ),
     Finding(
+        id="unscorable-completion-scored-as-zero",
+        checks=("advantages_match_reference",),
+        path="*",
+        when="a reward function returns None for a completion (unscorable; TRL turns it into NaN)",
+        applies=lambda s: s.reward == "unscorable",
+        affected="transformers 5.24.0 + trl 1.5.1; not trl 1.6.0",
+        trl="<1.6",
+        evidence="_generate_and_score_completions sums the reward functions with nansum, so an unscorable "
+        "completion's reward is 0, and that 0 enters its group's mean and std: group rewards [r1, r2, None] give "
+        "advantages [0.044, 0.977, -1.021] where the reference gives [-0.707, 0.707, 0] (the unscorable completion "
+        "itself is trained on); 1.6 leaves NaN rows out of the statistics and zeroes their advantage",
+        repro=TrainerScenario(path="generate", num_generations=3, reward="unscorable"),
+        repro_model="tiny-llama-arith",
+    ),
+    Finding(
         id="cb-leaves-paged-attention-for-training",
         checks=("generation_keeps_attn_and_config", "generation_keeps_forward", "trainer_logprobs_match_reference"),
         path="cb",

@@ -53,7 +53,7 @@ class TrainerScenario:
     seed: int = 0
     evaluate: bool = False  # run trainer.evaluate() instead of trainer.train()
     rollout_backend: str = "cb_impl"  # rollout_func path: "cb_impl" or "reference" (ignored on other paths)
-    reward: str = "arithmetic"  # "arithmetic" or "constant" (5/7 for every completion: every group has zero variance)
+    reward: str = "arithmetic"  # a key of REWARDS
     extra_cb_config: tuple[tuple[str, object], ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -72,7 +72,7 @@ class TrainerScenario:
             (self.is_mode in IS_MODES, f"is_mode must be one of {IS_MODES}, got {self.is_mode!r}"),
             (self.max_steps >= 1, f"max_steps must be >= 1, got {self.max_steps}"),
             (self.rollout_backend in ("cb_impl", "reference"), "rollout_backend: cb_impl|reference"),
-            (self.reward in ("arithmetic", "constant"), f"reward must be arithmetic|constant, got {self.reward!r}"),
+            (self.reward in REWARDS, f"reward must be one of {tuple(REWARDS)}, got {self.reward!r}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -115,6 +115,16 @@ def constant_reward(prompts, **_) -> list[float]:
     return [5.0 / 7.0] * len(prompts)
 
 
+def unscorable_reward(prompts, completions, completion_ids, answer, **_) -> list[float | None]:
+    """:func:`arithmetic_reward`, except that every third completion is unscorable: ``None``, which TRL accepts from
+    a reward function (it becomes NaN)."""
+    scores = arithmetic_reward(prompts, completions, completion_ids, answer)
+    return [None if i % 3 == 2 else score for i, score in enumerate(scores)]
+
+
+REWARDS = {"arithmetic": arithmetic_reward, "constant": constant_reward, "unscorable": unscorable_reward}
+
+
 def _common_args(scenario: TrainerScenario, output_dir: str) -> dict:
     import torch
 
@@ -145,8 +155,9 @@ def build_trainer(scenario: TrainerScenario, model, tokenizer, rollout_func=None
     output_dir = tempfile.mkdtemp(prefix="cbverify-trl-")
     args = _common_args(scenario, output_dir)
     dataset = make_dataset(scenario)
-    reward = arithmetic_reward if scenario.reward == "arithmetic" else constant_reward
-    common = dict(model=model, reward_funcs=reward, train_dataset=dataset, processing_class=tokenizer)
+    common = dict(
+        model=model, reward_funcs=REWARDS[scenario.reward], train_dataset=dataset, processing_class=tokenizer
+    )
     if scenario.evaluate:
         common["eval_dataset"] = dataset
     if scenario.trainer == "grpo":

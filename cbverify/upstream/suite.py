@@ -85,6 +85,7 @@ DEFAULT_SCENARIOS: tuple[TrainerScenario, ...] = tuple(
         dict(path="rollout_func", bf16=True, greedy=True, rollout_backend="cb_impl"),
         dict(path="generate", greedy=True, loss_type="grpo", gradient_accumulation_steps=2),
         dict(path="generate", num_generations=3, reward="constant"),
+        dict(path="generate", num_generations=3, reward="unscorable"),
         dict(path="cb", greedy=True, loss_type="grpo", gradient_accumulation_steps=2),
         dict(path="cb", greedy=True, repetition_penalty=1.5),
         dict(path="generate", greedy=True, repetition_penalty=1.5),
