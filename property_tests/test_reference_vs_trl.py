@@ -10,9 +10,9 @@ Versions: every TRL release :mod:`cbverify.upstream.trl_compat` knows (1.0 to 1.
 file in each). What differs between releases (``_generate``'s return layout, the log-prob forward's arity, the
 IS-bound attributes) is read through it, and every attribute the test sets must already exist on the trainer (a
 renamed one would otherwise be set for nothing). Inputs a release cannot be asked about are not drawn, and pytest's
-summary names them: a loss type ``_compute_loss`` lacks or that a registered finding says is wrong on the release
-(luspo before 1.10), NaN rewards before 1.6, NaN sampler log-probs before 1.11 and empty completions before 1.15
-(the behaviours arrived then), a lower IS bound before 1.6. A release whose trainer the test cannot drive at all is a
+summary names them: a loss type ``_compute_loss`` lacks, inputs a registered finding says the release gets wrong
+(luspo before 1.10, NaN rewards before 1.6), NaN sampler log-probs before 1.11 and empty completions before 1.15
+(handled from then), a lower IS bound before 1.6. A release whose trainer the test cannot drive at all is a
 skip naming what it lacks.
 
 Tolerance: ``MATH_RTOL``, plus ``MATH_ATOL`` for values that are exactly 0 on one side. Every tensor handed
@@ -42,10 +42,13 @@ from reference.loss import LOSS_TYPES, grpo_loss, importance_weights
 pytestmark = pytest.mark.upstream
 RTOL = MATH_RTOL
 # what the installed release can be asked (see the module docstring)
-LUSPO_PADDING = by_id("luspo-token-level-loss-counts-padding")
+LUSPO_PADDING, UNSCORABLE = (
+    by_id("luspo-token-level-loss-counts-padding"),
+    by_id("unscorable-completion-scored-as-zero"),
+)
 KNOWN_WRONG = {"luspo": LUSPO_PADDING.id} if LUSPO_PADDING.on_installed_version() else {}
 TRL_LOSS_TYPES = tuple(t for t in LOSS_TYPES if t in compat.loss_types() and t not in KNOWN_WRONG)
-NAN_REWARDS = compat.behaviour("nan_rewards_left_out")
+NAN_REWARDS = not UNSCORABLE.on_installed_version()
 UNSCORED_TOKENS = compat.behaviour("nan_sampler_logprobs_weight_1")
 EMPTY_ROWS = compat.behaviour("empty_completions_scored")
 IS_CLIP_MIN = compat.has_is_clip_min()
@@ -55,7 +58,7 @@ def _not_drawn() -> list[str]:
     """The inputs this release is not asked about, in words."""
     missing = [f"loss_type {t!r} ({KNOWN_WRONG.get(t, 'not in _compute_loss')})" for t in LOSS_TYPES
                if t not in TRL_LOSS_TYPES]  # fmt: skip
-    missing += [] if NAN_REWARDS else ["NaN rewards (left out of the group statistics from trl 1.6)"]
+    missing += [] if NAN_REWARDS else [f"NaN rewards ({UNSCORABLE.id})"]
     missing += [] if UNSCORED_TOKENS else ["NaN sampler log-probs (IS weight 1 from trl 1.11)"]
     missing += [] if EMPTY_ROWS else ["empty completions (scored from trl 1.15)"]
     missing += [] if IS_CLIP_MIN else ["a lower IS bound (vllm_importance_sampling_clip_min, trl 1.6)"]
@@ -77,9 +80,7 @@ def trainer():
     except compat.MissingFeature as missing:
         pytest.skip(str(missing))
     if not_drawn := _not_drawn():
-        SUMMARY.append(
-            f"reference vs trl {trl.__version__}: not drawn (the release lacks them): {'; '.join(not_drawn)}"
-        )
+        SUMMARY.append(f"reference vs trl {trl.__version__}: not drawn on this release: {'; '.join(not_drawn)}")
     model, tokenizer = load("tiny-llama-arith")
     args = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="cbverify-trl-"), report_to="none", use_cpu=True,

@@ -21,18 +21,20 @@ that changed between 1.0 and 1.16, read in each minor release's newest patch (``
 - the IS-correction bounds: ``vllm_importance_sampling_cap`` (an upper bound) up to 1.5,
   ``vllm_importance_sampling_clip_min`` / ``_clip_max`` from 1.6.
 
-Three behaviours changed without any name to detect them by, so they are told by the version (:func:`behaviour`):
-unscorable completions (a NaN reward: every reward function returned None) are left out of the group statistics and
-get advantage 0 from 1.6 (before, their reward counts as 0); NaN sampler log-probs (tokens an engine could not
-score) get IS weight 1 from 1.11 (before, the NaN reaches the loss); an empty completion passes through scoring from
-1.15 (before, ``_generate_and_score_completions`` decodes the padded completion ids, which an empty first row makes
-float through ``torch.tensor([])``, and the tokenizer refuses them).
+Two behaviours changed without any name to detect them by, so they are told by the version (:func:`behaviour`):
+NaN sampler log-probs (tokens an engine could not score) get IS weight 1 from 1.11 (before, the NaN reaches the
+loss); an empty completion passes through scoring from 1.15 (before, ``_generate_and_score_completions`` decodes
+the padded completion ids, which an empty first row makes float through ``torch.tensor([])``, and the tokenizer
+refuses them). Where a release is wrong rather than different, it is a registered finding instead
+(:mod:`cbverify.upstream.findings`, with its ``trl`` range).
 
 The same in every release (checked; nothing to adapt): the five wrapped trainer methods, ``rollout_func`` (a
 ``GRPOTrainer`` argument; ``RLOOTrainer`` never takes one), the loss types ``_compute_loss`` knows (grpo, bnpo,
 dr_grpo, dapo, cispo, sapo, luspo, vespo; :func:`loss_types` reads them), ``scale_rewards`` (group / batch / none),
-the IS modes, ``importance_sampling_level``, ``steps_per_generation``, ``num_iterations``,
-``mask_truncated_completions``, ``top_entropy_quantile``, ``epsilon`` / ``epsilon_high`` / ``delta``.
+the IS modes, ``importance_sampling_level``, ``num_iterations``, ``mask_truncated_completions``,
+``top_entropy_quantile``, ``epsilon`` / ``epsilon_high`` / ``delta``, ``steps_per_generation`` (from 1.9 the
+dapo / cispo normaliser is scaled by the accumulation steps over it: the same number while the two are equal, its
+default and the only case the scenarios run).
 
 A feature the installed release lacks is refused with :class:`MissingFeature`, naming the release and what it lacks,
 which the upstream suite reports as NOT-APPLICABLE and the tests as a skip: never silently dropped.
@@ -60,7 +62,6 @@ PROMPT_IDS, COMPLETION_IDS, SAMPLER_LOGPROBS = (
     "sampling_per_token_logps_list",
 )
 BEHAVIOURS = {  # behaviour -> the first release with it (nothing to detect it by; see the module docstring)
-    "nan_rewards_left_out": "1.6",
     "nan_sampler_logprobs_weight_1": "1.11",
     "empty_completions_scored": "1.15",
 }
