@@ -8,9 +8,13 @@ Trainer runs are cached per scenario for the module: the findings' repro scenari
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
-from cbverify.upstream.findings import FAIL, FINDINGS, NA, Finding, expected_status
+from cbverify.upstream.findings import FAIL, FINDINGS, NA, SCRIPTS, Finding, expected_status
 from cbverify.upstream.suite import DEFAULT_SCENARIOS, check_scenario, greedy_agreement, judge
 
 pytestmark = pytest.mark.upstream
@@ -82,3 +86,17 @@ def test_every_failure_on_a_findings_repro_scenario_is_registered(models):
 def test_greedy_decoding_gives_identical_completions_on_generate_cb_and_rollout_func(qwen2):
     result = greedy_agreement(*qwen2)
     assert result.status == "PASS", result.reason
+
+
+@pytest.mark.parametrize("finding", [f for f in FINDINGS if f.script], ids=lambda f: f.id)
+def test_every_repro_script_fails_exactly_inside_its_versions(finding: Finding):
+    """Strict both ways: inside the finding's version ranges its standalone script exits 1, outside it exits 0
+    (``cbverify matrix`` runs this in every venv, which is how each range was bounded)."""
+    from cbverify.upstream.run import versions
+
+    proc = subprocess.run([sys.executable, str(SCRIPTS / finding.script)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+    last = ([ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()] or ["no output"])[-1]
+    expected = 1 if finding.on_installed_version() else 0
+    assert proc.returncode == expected, (f"{finding.id} ({finding.versions()}) on {versions()}: exit "
+                                         f"{proc.returncode}, expected {expected}: {last}")  # fmt: skip

@@ -10,7 +10,7 @@ import pytest
 
 from cbverify.cli import upstream
 from cbverify.upstream import matrix_checks as matrix
-from cbverify.upstream.findings import FAIL, FINDINGS, NA, PASS, CheckResult, by_id
+from cbverify.upstream.findings import FAIL, FINDINGS, NA, PASS, SCRIPTS, CheckResult, by_id
 from cbverify.upstream.scenario import PATHS, TrainerScenario
 from cbverify.upstream.suite import CHECKS, DEFAULT_SCENARIOS, judge
 
@@ -26,6 +26,7 @@ def test_every_finding_names_known_checks_a_path_and_one_line_of_evidence():
         assert f.evidence and "\n" not in f.evidence and f.affected, f.id
         assert f.applies(f.repro), f"{f.id}: its own repro scenario does not meet its condition"
         assert f.data_dependent or f.repro in DEFAULT_SCENARIOS, f"{f.id}: repro should be a default scenario"
+        assert not f.script or (SCRIPTS / f.script).is_file(), f"{f.id}: no script {f.script}"
 
 
 def test_a_registered_failure_is_expected_and_an_unregistered_one_is_not():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from cbverify.upstream.scenario import TrainerScenario
 
@@ -56,6 +57,7 @@ class Finding:
     data_dependent: bool = False  # shows for some data only: a PASS elsewhere is no sign of a fix (the repro is)
     transformers: str = ""  # PEP 440 specifier of the transformers versions it shows on ("" = every version seen)
     trl: str = ""  # PEP 440 specifier of the trl versions it shows on ("" = every version seen)
+    script: str = ""  # a standalone repro in cbverify/upstream/repros/ (torch, transformers, trl, datasets): exits 1
 
     def covers(self, result: CheckResult, scenario, model_type: str) -> bool:
         arch_ok = not self.architectures or model_type in self.architectures
@@ -228,6 +230,7 @@ FINDINGS: tuple[Finding, ...] = (
         repro=TrainerScenario(path="generate", loss_type="luspo", max_completion_length=32),
         repro_model="tiny-llama-arith",
         data_dependent=True,
+        script="luspo_token_level_loss_counts_padding.py",
     ),
     Finding(
         id="unscorable-completion-scored-as-zero",
@@ -243,6 +246,7 @@ FINDINGS: tuple[Finding, ...] = (
         "itself is trained on); 1.6 leaves NaN rows out of the statistics and zeroes their advantage",
         repro=TrainerScenario(path="generate", num_generations=3, reward="unscorable"),
         repro_model="tiny-llama-arith",
+        script="unscorable_completion_scored_as_zero.py",
     ),
     Finding(
         id="cb-leaves-paged-attention-for-training",
@@ -258,6 +262,9 @@ FINDINGS: tuple[Finding, ...] = (
         repro=TrainerScenario(path="cb", greedy=True, loss_type="grpo", gradient_accumulation_steps=2),
     ),
 )
+
+
+SCRIPTS = Path(__file__).with_name("repros")
 
 
 def expected_status(result: CheckResult, scenario, model_type: str) -> str | None:
