@@ -82,3 +82,23 @@ def test_matrix_table_keeps_the_worst_label_per_check_and_names_a_failed_install
                     ["venv", "-", "-", "-", "ERROR(pip install trl==9.9: ResolutionImpossible)"]]  # fmt: skip
     assert "| c | cb | xfail(f1) | FAIL | - |" in matrix.render_markdown(header, rows)
     json.dumps(rows)  # the JSON output is plain data
+
+
+def test_the_matrix_probe_names_the_module_an_import_lacks(monkeypatch):
+    import io
+    import sys
+    from pathlib import Path
+
+    from cbverify.upstream import matrix as venvs
+
+    log = io.StringIO()
+    monkeypatch.setattr(venvs, "PROBE", "import json")
+    assert venvs._probe(Path(sys.executable), log) is None
+    monkeypatch.setattr(venvs, "PROBE", "import cbverify_no_such_module.sub")
+    assert venvs._probe(Path(sys.executable), log) == (
+        "cbverify_no_such_module",
+        "ModuleNotFoundError: No module named 'cbverify_no_such_module'",
+    )
+    monkeypatch.setattr(venvs, "PROBE", "raise ImportError('cannot import name X')")
+    assert venvs._probe(Path(sys.executable), log) == (None, "ImportError: cannot import name X")
+    assert "import json" in log.getvalue(), "every probe is logged"
