@@ -97,6 +97,7 @@ def test_every_repro_script_fails_exactly_inside_its_versions(finding: Finding):
     proc = subprocess.run([sys.executable, str(SCRIPTS / finding.script)], capture_output=True, text=True,
                           timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
     last = ([ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()] or ["no output"])[-1]
+    assert "Traceback" not in proc.stderr, f"{finding.id}: the script crashed on {versions()}: {last}"
     expected = 1 if finding.on_installed_version() else 0
     assert proc.returncode == expected, (f"{finding.id} ({finding.versions()}) on {versions()}: exit "
                                          f"{proc.returncode}, expected {expected}: {last}")  # fmt: skip
