@@ -5,7 +5,7 @@ version, or a local checkout path for a branch under review), the project's othe
 ``constraints.txt`` versions, and this repository in editable mode with ``--no-deps``. ``torch==2.13.0`` is installed
 once, in ``.matrix-venvs/_torch`` (from the local wheel cache), and shared by every venv through a ``.pth`` file:
 ~50 s and 900 MB saved per version. Then :data:`PROBE` imports what cbverify drives from TRL: a release that imports
-a module it does not declare (trl 1.0 to 1.15 import ``requests`` at import time, which nothing in the pinned stack
+a module it does not declare (trl 1.0 to 1.13 import ``requests`` at import time, which nothing in the pinned stack
 installs any more) gets that module installed under the constraints, one at a time, at most :data:`MAX_ADDED`, each
 printed and logged. A stamp file records what was asked for and what was added, so a rerun reuses the venv.
 :func:`minor_releases` lists the newest patch of every minor release of a package from a floor (``--all-minors 5.8``
