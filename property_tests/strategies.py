@@ -87,21 +87,29 @@ def grpo_batches(
     max_generations: int = 4,
     max_len: int = 6,
     nan_rewards: bool = True,
+    unscored_tokens: bool = True,
+    empty_rows: bool = True,
     max_log_ratio: float = 6.0,
 ) -> dict:
     """A padded GRPO micro-batch as TRL's loss sees it, drawn in float64.
 
     Keys: ``num_generations``; ``rewards`` (B,) with NaN for unscorable completions when ``nan_rewards``;
-    ``completion_mask`` (B, T) int64 (right padding, rows may be empty, at least one token overall);
+    ``completion_mask`` (B, T) int64 (right padding, rows may be empty when ``empty_rows``, at least one token
+    overall);
     ``per_token_logps``, ``old_per_token_logps``, ``ref_per_token_logps`` (B, T) float64, log-ratios up to
     ``max_log_ratio`` in size; ``sampling_per_token_logps`` (B, T), every value float32-representable (engines report
-    float32) and NaN at a few real tokens (tokens the engine could not score). Padded positions hold junk values.
+    float32) and, when ``unscored_tokens``, NaN at a few real tokens (tokens the engine could not score). Padded
+    positions hold junk values.
     """
     import torch
 
     num_generations = draw(st.integers(1, max_generations))
     batch = num_generations * draw(st.integers(1, max_prompts))
-    lengths = draw(st.lists(st.integers(0, max_len), min_size=batch, max_size=batch).filter(lambda xs: max(xs) > 0))
+    lengths = draw(
+        st.lists(st.integers(0 if empty_rows else 1, max_len), min_size=batch, max_size=batch).filter(
+            lambda xs: max(xs) > 0
+        )
+    )
     width = max(lengths)
     shape = (batch, width)
     mask = torch.tensor([[1 if t < n else 0 for t in range(width)] for n in lengths], dtype=torch.int64)
@@ -115,7 +123,7 @@ def grpo_batches(
     ref = per + floats(-max_log_ratio, max_log_ratio) * draw(st.sampled_from([0.0, 0.1, 1.0]))
     sampling = old + floats(-max_log_ratio, max_log_ratio) * draw(st.sampled_from([0.0, 0.02, 0.3, 1.0]))
     sampling = sampling.to(torch.float32).to(torch.float64)  # what an engine's float32 log-probs look like
-    if draw(st.booleans()):
+    if unscored_tokens and draw(st.booleans()):
         unscored = torch.tensor(draw(st.lists(st.booleans(), min_size=batch * width, max_size=batch * width)))
         sampling = sampling.masked_fill(unscored.reshape(shape) & (mask == 1), float("nan"))
     reward_values = st.sampled_from([0.0, 1.0, 1.0, 0.5]) | st.floats(-3.0, 3.0, width=32)
@@ -129,8 +137,11 @@ def grpo_batches(
 
 
 @st.composite
-def loss_configs(draw, *, loss_types: tuple[str, ...] | None = None, is_correction: bool | None = None):
-    """A ``reference.loss.LossConfig`` covering every loss type, IS level, IS correction mode and clip bound."""
+def loss_configs(
+    draw, *, loss_types: tuple[str, ...] | None = None, is_correction: bool | None = None, is_clip_min: bool = True
+):
+    """A ``reference.loss.LossConfig`` covering every loss type, IS level, IS correction mode and clip bound (a lower
+    IS bound only when ``is_clip_min``)."""
     from reference.loss import IS_MODES, LOSS_TYPES, LossConfig
 
     loss_type = draw(st.sampled_from(loss_types or LOSS_TYPES))
@@ -141,7 +152,7 @@ def loss_configs(draw, *, loss_types: tuple[str, ...] | None = None, is_correcti
         epsilon_high = draw(st.sampled_from([None, 0.28, 0.5]))
     use_is = draw(st.booleans()) if is_correction is None else is_correction
     mode = draw(st.sampled_from(IS_MODES)) if use_is else None
-    clip_min = draw(st.sampled_from([None, 0.0, 0.2, 0.5]))
+    clip_min = draw(st.sampled_from([None, 0.0, 0.2, 0.5] if is_clip_min else [None]))
     clip_max = draw(st.sampled_from([None, 2.0, 3.0] if clip_min is not None else [2.0, 3.0, 10.0]))
     return LossConfig(
         loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
@@ -243,7 +254,8 @@ def trainer_scenarios(
     group size, lengths, sampling options, loss type, IS level/correction and gradient accumulation.
 
     RLOO is drawn only for the paths it offers (not ``rollout_func``); the rollout_func backend is ``cb_impl``'s
-    adapter or the reference generator."""
+    adapter or the reference generator; loss types are the reference's that the installed TRL has."""
+    from cbverify.upstream import trl_compat
     from cbverify.upstream.scenario import TrainerScenario
     from reference.loss import LOSS_TYPES
 
@@ -257,7 +269,7 @@ def trainer_scenarios(
         top_p=draw(st.sampled_from([1.0, 1.0, 0.8])), min_p=draw(st.sampled_from([0.0, 0.0, 0.2])), greedy=is_greedy,
         bf16=draw(st.booleans()) if bf16 is None else bf16,
         gradient_accumulation_steps=draw(st.integers(1, 2)),
-        loss_type=draw(st.sampled_from(LOSS_TYPES)),
+        loss_type=draw(st.sampled_from([t for t in LOSS_TYPES if t in trl_compat.loss_types()])),
         importance_sampling_level=draw(st.sampled_from(["token", "sequence"])),
         is_correction=draw(st.booleans()), is_mode=draw(st.sampled_from(["sequence_mask", "token_truncate"])),
         max_steps=draw(st.integers(*max_steps)), seed=draw(st.integers(0, 2**16)),

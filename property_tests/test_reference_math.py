@@ -47,7 +47,7 @@ def test_on_policy_ratio_is_exactly_one_and_the_gradient_is_reinforce(batch, con
         count = int(mask[i].sum())
         for t in range(width):
             # d/dlogp of the REINFORCE surrogate -A * logp under each documented normaliser
-            normaliser = {"grpo": num_seqs * count, "bnpo": total, "dapo": total, "cispo": total,
+            normaliser = {"grpo": num_seqs * count, "bnpo": total, "dapo": total, "cispo": total, "luspo": num_seqs,
                           "dr_grpo": num_seqs * (config.max_completion_length or 0)}[config.loss_type]  # fmt: skip
             expected = -cap * float(advantages[i]) / normaliser if mask[i, t] else 0.0
             assert math.isclose(float(grad[i, t]), expected, rel_tol=FLOAT64_RTOL, abs_tol=FLOAT64_ATOL), (i, t)
@@ -159,14 +159,14 @@ def test_normalisers_behave_as_documented(batch, config, junk):
                        pad(mask, 0), config).loss  # fmt: skip
     torch.testing.assert_close(padded, base, rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL)
 
-    # 2. an extra empty sequence: per-sequence normalisers (grpo, dr_grpo) scale by B/(B+1), token ones do not
+    # 2. an extra empty sequence: per-sequence normalisers (grpo, dr_grpo, luspo) scale by B/(B+1), token ones do not
     def row(x: torch.Tensor, value: float) -> torch.Tensor:
         return torch.cat([x, torch.full_like(x[:1], value)])
 
     extended = grpo_loss(row(per, junk), row(old, junk), row(ref, junk), row(sampling, junk),
                          torch.cat([advantages, advantages[:1]]), row(mask, 0), config).loss  # fmt: skip
     num_seqs = mask.shape[0]
-    factor = num_seqs / (num_seqs + 1) if config.loss_type in ("grpo", "dr_grpo") else 1.0
+    factor = num_seqs / (num_seqs + 1) if config.loss_type in ("grpo", "dr_grpo", "luspo") else 1.0
     torch.testing.assert_close(extended, base * factor, rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL)
 
     # 3. when every sequence has the same length, grpo, bnpo and dapo agree

@@ -6,9 +6,14 @@ One minimal ``GRPOTrainer`` is built per module on a private copy of the bundled
 functions that return the drawn tensors, and TRL's ``_compute_loss`` runs with the forward replaced the same way.
 Everything else (advantages, IS ratios, clipping, KL, normalisers, logged metrics) is TRL's code, untouched.
 
-Expected version: TRL 1.16.0 (``loss_type="dapo"`` default, ``use_bias_correction_kl`` default True, NaN-aware
-advantages, IS correction inside ``_generate_and_score_completions``); the test names it and fails loudly on
-another version rather than silently comparing against different semantics.
+Versions: every TRL release :mod:`cbverify.upstream.trl_compat` knows (1.0 to 1.16; ``cbverify matrix`` runs this
+file in each). What differs between releases (``_generate``'s return layout, the log-prob forward's arity, the
+IS-bound attributes) is read through it, and every attribute the test sets must already exist on the trainer (a
+renamed one would otherwise be set for nothing). Inputs a release cannot be asked about are not drawn, and pytest's
+summary names them: a loss type ``_compute_loss`` lacks, inputs a registered finding says the release gets wrong
+(luspo before 1.10, NaN rewards before 1.6), NaN sampler log-probs before 1.11 and empty completions before 1.15
+(handled from then), a lower IS bound before 1.6. A release whose trainer the test cannot drive at all is a
+skip naming what it lacks.
 
 Tolerance: ``MATH_RTOL``, plus ``MATH_ATOL`` for values that are exactly 0 on one side. Every tensor handed
 to TRL is float64, so TRL computes in float64 too, except the sampling log-probs, which TRL turns into a float32
@@ -27,13 +32,37 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cbverify.tolerances import MATH_ATOL, MATH_RTOL
+from cbverify.upstream import trl_compat as compat
+from cbverify.upstream.findings import by_id
+from property_tests.helpers import SUMMARY
 from property_tests.strategies import grpo_batches, loss_configs
 from reference.advantages import compute_advantages
-from reference.loss import grpo_loss, importance_weights
+from reference.loss import LOSS_TYPES, grpo_loss, importance_weights
 
 pytestmark = pytest.mark.upstream
-EXPECTED_TRL = "1.16.0"
 RTOL = MATH_RTOL
+# what the installed release can be asked (see the module docstring)
+LUSPO_PADDING, UNSCORABLE = (
+    by_id("luspo-token-level-loss-counts-padding"),
+    by_id("unscorable-completion-scored-as-zero"),
+)
+KNOWN_WRONG = {"luspo": LUSPO_PADDING.id} if LUSPO_PADDING.on_installed_version() else {}
+TRL_LOSS_TYPES = tuple(t for t in LOSS_TYPES if t in compat.loss_types() and t not in KNOWN_WRONG)
+NAN_REWARDS = not UNSCORABLE.on_installed_version()
+UNSCORED_TOKENS = compat.behaviour("nan_sampler_logprobs_weight_1")
+EMPTY_ROWS = compat.behaviour("empty_completions_scored")
+IS_CLIP_MIN = compat.has_is_clip_min()
+
+
+def _not_drawn() -> list[str]:
+    """The inputs this release is not asked about, in words."""
+    missing = [f"loss_type {t!r} ({KNOWN_WRONG.get(t, 'not in _compute_loss')})" for t in LOSS_TYPES
+               if t not in TRL_LOSS_TYPES]  # fmt: skip
+    missing += [] if NAN_REWARDS else [f"NaN rewards ({UNSCORABLE.id})"]
+    missing += [] if UNSCORED_TOKENS else ["NaN sampler log-probs (IS weight 1 from trl 1.11)"]
+    missing += [] if EMPTY_ROWS else ["empty completions (scored from trl 1.15)"]
+    missing += [] if IS_CLIP_MIN else ["a lower IS bound (vllm_importance_sampling_clip_min, trl 1.6)"]
+    return missing
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +74,13 @@ def trainer():
 
     from reference.models import load
 
-    if trl.__version__ != EXPECTED_TRL:
-        pytest.fail(f"this cross-check encodes TRL {EXPECTED_TRL} semantics; installed TRL is {trl.__version__}")
+    try:
+        compat.require_hooks("grpo")
+        compat.generate_output(GRPOTrainer, **_generate_values([1], [[0.0]]))
+    except compat.MissingFeature as missing:
+        pytest.skip(str(missing))
+    if not_drawn := _not_drawn():
+        SUMMARY.append(f"reference vs trl {trl.__version__}: not drawn on this release: {'; '.join(not_drawn)}")
     model, tokenizer = load("tiny-llama-arith")
     args = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="cbverify-trl-"), report_to="none", use_cpu=True,
@@ -63,38 +97,53 @@ def trainer():
     return trainer
 
 
+def _set(obj, **values) -> None:
+    """Set attributes that exist already: one a release renamed would be set for nothing."""
+    for name, value in values.items():
+        assert hasattr(obj, name), f"trl {compat.VERSION}: {type(obj).__name__} has no {name}"
+        setattr(obj, name, value)
+
+
 def _configure(trainer, batch: dict, config, scale_rewards: str) -> None:
     """Point the trainer's attributes at one drawn scenario (TRL reads them at call time)."""
-    trainer.num_generations = batch["num_generations"]
-    trainer.scale_rewards = scale_rewards
-    trainer.use_vllm = config.is_correction is not None  # TRL applies the IS correction only on its vLLM path
-    trainer.vllm_importance_sampling_correction = config.is_correction is not None
-    trainer.vllm_importance_sampling_mode = config.is_correction
-    trainer.vllm_importance_sampling_clip_min = config.is_clip_min
-    trainer.vllm_importance_sampling_clip_max = config.is_clip_max
-    trainer.beta = 0.0  # during scoring: the reference log-probs are handed to the loss directly
-    trainer.loss_type = config.loss_type
-    trainer.epsilon_low, trainer.epsilon_high = config.epsilon_low, config.epsilon_high
-    trainer.importance_sampling_level = config.importance_sampling_level
-    trainer.max_completion_length = config.max_completion_length or 8
-    trainer.args.delta = config.delta
-    trainer.args.use_bias_correction_kl = config.use_bias_correction_kl
+    _set(
+        trainer, num_generations=batch["num_generations"], scale_rewards=scale_rewards,
+        use_vllm=config.is_correction is not None,  # TRL applies the IS correction only on its vLLM path
+        vllm_importance_sampling_correction=config.is_correction is not None,
+        vllm_importance_sampling_mode=config.is_correction,
+        **compat.is_bound_attributes(config.is_clip_min, config.is_clip_max),
+        beta=0.0,  # during scoring: the reference log-probs are handed to the loss directly
+        loss_type=config.loss_type, epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high,
+        importance_sampling_level=config.importance_sampling_level,
+        max_completion_length=config.max_completion_length or 8,
+    )  # fmt: skip
+    _set(trainer.args, delta=config.delta, use_bias_correction_kl=config.use_bias_correction_kl)
+
+
+def _generate_values(lengths: list[int], sampling: list[list[float]]) -> dict:
+    """Every field any release's ``_generate`` returns, by TRL's name (token values are irrelevant: every
+    log-prob is drawn); ``num_items_in_batch`` is the completion-token count (returned by ``_generate`` up to 1.8)."""
+    return dict(
+        prompt_ids_list=[[1, 5]] * len(lengths), completion_ids_list=[[5] * n for n in lengths],
+        tool_mask_list=None, completions=["x"] * len(lengths), num_items_in_batch=torch.tensor(float(sum(lengths))),
+        sampling_per_token_logps_list=sampling, extra_fields={}, images=None, tool_images=None,
+    )  # fmt: skip
 
 
 @contextlib.contextmanager
 def _drawn_generation(trainer, batch: dict):
     """Replace TRL's generator, reward functions and log-prob forward by the drawn batch."""
-    mask = batch["completion_mask"]
-    lengths = mask.sum(-1).tolist()
-    completion_ids = [[5] * n for n in lengths]  # token values are irrelevant: every log-prob is drawn
+    lengths = batch["completion_mask"].sum(-1).tolist()
     sampling = [row[:n].tolist() for row, n in zip(batch["sampling_per_token_logps"], lengths, strict=True)]
-    generated = ([[1, 5]] * len(lengths), completion_ids, None, ["x"] * len(lengths), sampling, {}, None, None)
+    generated = compat.generate_output(type(trainer), **_generate_values(lengths, sampling))
     rewards = batch["rewards"][:, None]  # (B, 1): one reward function
     old = batch["old_per_token_logps"]
     with (
         mock.patch.object(trainer, "_generate", lambda prompts: generated),
         mock.patch.object(trainer, "_calculate_rewards", lambda *args: rewards),
-        mock.patch.object(trainer, "_get_per_token_logps_and_entropies", lambda *a, **k: (old, None, None)),
+        mock.patch.object(
+            trainer, "_get_per_token_logps_and_entropies", lambda *a, **k: compat.logps_output(old, None)
+        ),
     ):
         yield
 
@@ -106,7 +155,7 @@ def _trl_loss(trainer, scored: dict, batch: dict, config) -> tuple[torch.Tensor,
     if config.beta != 0.0:
         inputs["ref_per_token_logps"] = batch["ref_per_token_logps"]
     trainer.beta = config.beta
-    forward = lambda *a, **k: (per, torch.zeros_like(per), None)  # noqa: E731
+    forward = lambda *a, **k: compat.logps_output(per, torch.zeros_like(per))  # noqa: E731
     with mock.patch.object(trainer, "_get_per_token_logps_and_entropies", forward):
         loss = trainer._compute_loss(trainer.model, inputs)
     (grad,) = torch.autograd.grad(loss, per)
@@ -123,7 +172,11 @@ def _reference_loss(batch: dict, advantages: torch.Tensor, config):
     return out, grad
 
 
-@given(batch=grpo_batches(), config=loss_configs(), scale_rewards=st.sampled_from(["group", "batch", "none"]))
+@given(
+    batch=grpo_batches(nan_rewards=NAN_REWARDS, unscored_tokens=UNSCORED_TOKENS, empty_rows=EMPTY_ROWS),
+    config=loss_configs(loss_types=TRL_LOSS_TYPES, is_clip_min=IS_CLIP_MIN),
+    scale_rewards=st.sampled_from(["group", "batch", "none"]),
+)
 def test_reference_advantages_is_weights_and_loss_equal_trl_on_drawn_batches(trainer, batch, config, scale_rewards):
     _configure(trainer, batch, config, scale_rewards)
     with _drawn_generation(trainer, batch):

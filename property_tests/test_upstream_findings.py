@@ -8,9 +8,13 @@ Trainer runs are cached per scenario for the module: the findings' repro scenari
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
-from cbverify.upstream.findings import FAIL, FINDINGS, NA, Finding, expected_status
+from cbverify.upstream.findings import FAIL, FINDINGS, NA, SCRIPTS, Finding, expected_status
 from cbverify.upstream.suite import DEFAULT_SCENARIOS, check_scenario, greedy_agreement, judge
 
 pytestmark = pytest.mark.upstream
@@ -53,9 +57,11 @@ def test_the_invariant_behind_each_registered_finding_holds(finding: Finding, mo
     """Expected to fail (strict xfail) while the upstream behaviour stands; an XPASS means it was fixed upstream:
     delete the registry entry. A *partial* reproduction is a plain failure: the entry needs editing."""
     if not finding.on_installed_version():  # reported as a skip with its reason, never silently
-        import transformers
+        from cbverify.upstream.run import versions
 
-        pytest.skip(f"{finding.id} concerns transformers {finding.transformers}; installed {transformers.__version__}")
+        installed = versions()
+        pytest.skip(f"{finding.id} concerns {finding.versions()}; installed transformers {installed['transformers']}, "
+                    f"trl {installed['trl']}")  # fmt: skip
     model, tokenizer = models[finding.repro_model]
     arch = model.config.model_type
     results = _results(finding.repro, (model, tokenizer))
@@ -80,3 +86,18 @@ def test_every_failure_on_a_findings_repro_scenario_is_registered(models):
 def test_greedy_decoding_gives_identical_completions_on_generate_cb_and_rollout_func(qwen2):
     result = greedy_agreement(*qwen2)
     assert result.status == "PASS", result.reason
+
+
+@pytest.mark.parametrize("finding", [f for f in FINDINGS if f.script], ids=lambda f: f.id)
+def test_every_repro_script_fails_exactly_inside_its_versions(finding: Finding):
+    """Strict both ways: inside the finding's version ranges its standalone script exits 1, outside it exits 0
+    (``cbverify matrix`` runs this in every venv, which is how each range was bounded)."""
+    from cbverify.upstream.run import versions
+
+    proc = subprocess.run([sys.executable, str(SCRIPTS / finding.script)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+    last = ([ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()] or ["no output"])[-1]
+    assert "Traceback" not in proc.stderr, f"{finding.id}: the script crashed on {versions()}: {last}"
+    expected = 1 if finding.on_installed_version() else 0
+    assert proc.returncode == expected, (f"{finding.id} ({finding.versions()}) on {versions()}: exit "
+                                         f"{proc.returncode}, expected {expected}: {last}")  # fmt: skip

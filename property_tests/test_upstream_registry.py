@@ -10,7 +10,7 @@ import pytest
 
 from cbverify.cli import upstream
 from cbverify.upstream import matrix_checks as matrix
-from cbverify.upstream.findings import FAIL, FINDINGS, NA, PASS, CheckResult, by_id
+from cbverify.upstream.findings import FAIL, FINDINGS, NA, PASS, SCRIPTS, CheckResult, by_id
 from cbverify.upstream.scenario import PATHS, TrainerScenario
 from cbverify.upstream.suite import CHECKS, DEFAULT_SCENARIOS, judge
 
@@ -26,6 +26,7 @@ def test_every_finding_names_known_checks_a_path_and_one_line_of_evidence():
         assert f.evidence and "\n" not in f.evidence and f.affected, f.id
         assert f.applies(f.repro), f"{f.id}: its own repro scenario does not meet its condition"
         assert f.data_dependent or f.repro in DEFAULT_SCENARIOS, f"{f.id}: repro should be a default scenario"
+        assert not f.script or (SCRIPTS / f.script).is_file(), f"{f.id}: no script {f.script}"
 
 
 def test_a_registered_failure_is_expected_and_an_unregistered_one_is_not():
@@ -69,13 +70,35 @@ def test_cbverify_upstream_lists_every_finding_with_its_evidence(capsys):
         assert f"[{f.id}]" in out and f.evidence.split()[0] in out
 
 
-def test_matrix_table_keeps_the_worst_label_per_check_and_marks_failed_installs():
+def test_matrix_table_keeps_the_worst_label_per_check_and_names_a_failed_install():
     def payload(labels):
         return {"versions": {}, "results": [{"check": "c", "path": "cb", "label": lab, "ok": True} for lab in labels]}
 
-    columns = {"a": payload(["PASS", "XFAIL(f1)", "NOT-APPLICABLE"]), "b": payload(["PASS", "FAIL"]), "c": "pip x: no"}
+    failed = matrix.install_failed("pip install trl==9.9: ResolutionImpossible")
+    columns = {"a": payload(["PASS", "XFAIL(f1)", "NOT-APPLICABLE"]), "b": payload(["PASS", "FAIL"]), "c": failed}
     header, rows = matrix.table(columns)
     assert header == ["check", "path", "a", "b", "c"]
-    assert rows == [["c", "cb", "xfail(f1)", "FAIL", "INSTALL-FAILED"]]
-    assert "| c | cb | xfail(f1) | FAIL | INSTALL-FAILED |" in matrix.render_markdown(header, rows)
+    assert rows == [["c", "cb", "xfail(f1)", "FAIL", "-"],
+                    ["venv", "-", "-", "-", "ERROR(pip install trl==9.9: ResolutionImpossible)"]]  # fmt: skip
+    assert "| c | cb | xfail(f1) | FAIL | - |" in matrix.render_markdown(header, rows)
     json.dumps(rows)  # the JSON output is plain data
+
+
+def test_the_matrix_probe_names_the_module_an_import_lacks(monkeypatch):
+    import io
+    import sys
+    from pathlib import Path
+
+    from cbverify.upstream import matrix as venvs
+
+    log = io.StringIO()
+    monkeypatch.setattr(venvs, "PROBE", "import json")
+    assert venvs._probe(Path(sys.executable), log) is None
+    monkeypatch.setattr(venvs, "PROBE", "import cbverify_no_such_module.sub")
+    assert venvs._probe(Path(sys.executable), log) == (
+        "cbverify_no_such_module",
+        "ModuleNotFoundError: No module named 'cbverify_no_such_module'",
+    )
+    monkeypatch.setattr(venvs, "PROBE", "raise ImportError('cannot import name X')")
+    assert venvs._probe(Path(sys.executable), log) == (None, "ImportError: cannot import name X")
+    assert "import json" in log.getvalue(), "every probe is logged"

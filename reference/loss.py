@@ -12,8 +12,8 @@ Per token, with ``A`` the sequence's advantage:
    uses the masked mean of ``r`` over the sequence, one ratio per sequence: ``ratio = exp(r)``.
 2. KL (k3 estimator): ``kl = exp(ref - logp) - (ref - logp) - 1 >= 0``; times ``ratio`` when
    ``use_bias_correction_kl``.
-3. policy term: ``grpo/bnpo/dr_grpo/dapo``: ``-min(ratio' * A, clamp(ratio, 1 - eps_low, 1 + eps_high) * A)`` where
-   ``ratio' = min(ratio, delta)`` when ``delta`` is set (two-sided clipping), else ``ratio``;
+3. policy term: ``grpo/bnpo/dr_grpo/dapo/luspo``: ``-min(ratio' * A, clamp(ratio, 1 - eps_low, 1 + eps_high) * A)``
+   where ``ratio' = min(ratio, delta)`` when ``delta`` is set (two-sided clipping), else ``ratio``;
    ``cispo``: ``-stopgrad(min(ratio, eps_high)) * A * logp`` (here ``epsilon_high`` bounds the ratio itself).
 4. IS correction (``is_correction`` set): the term is multiplied by a weight ``w`` computed from
    ``d = (old_logp - sampling_logp) * mask`` with NaN -> 0 (an unscored token gets ``w = 1``):
@@ -30,13 +30,15 @@ Normalisers (how the masked (B, T) ``loss_token`` becomes one number):
 - ``dr_grpo``: sum over all tokens / (B * ``max_completion_length``), a constant;
 - ``dapo`` and ``cispo``: sum over all tokens / ``num_items_in_batch``, the token count of the whole generation
   batch (defaults to this batch's; TRL divides it by processes, scales by accumulation steps over
-  steps_per_generation, which is 1 for one process and one micro-batch per generation).
+  steps_per_generation, which is 1 for one process and one micro-batch per generation);
+- ``luspo``: mean over sequences of (sum over the sequence's tokens), not divided by its length: a sequence weighs
+  by its length (length-unbiased GSPO, meant for ``"sequence"`` level, where the term is one value per sequence).
 
 With ``"sequence"`` level, the (B, 1) per-sequence term is broadcast over the sequence's tokens before the
-normaliser, as TRL does (so ``dapo``/``bnpo`` weight sequences by length).
+normaliser, as TRL does (so ``dapo``/``bnpo``/``luspo`` weight sequences by length).
 
-Simplifications versus TRL: no entropy bonus, no off-policy sequence mask, no ``sapo``, ``luspo``
-or ``vespo`` losses, no tool mask, no gradient-accumulation or multi-process scaling; float64 welcome.
+Simplifications versus TRL: no entropy bonus, no off-policy sequence mask, no ``sapo`` or ``vespo`` losses, no tool
+mask, no gradient-accumulation or multi-process scaling; float64 welcome.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "luspo")
 IS_LEVELS = ("token", "sequence")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
@@ -204,6 +206,8 @@ def grpo_loss(
         loss = masked_sum_per_seq.sum() / tokens_per_seq.sum().clamp(min=1.0)
     elif config.loss_type == "dr_grpo":
         loss = masked_sum_per_seq.sum() / (mask.shape[0] * config.max_completion_length)
+    elif config.loss_type == "luspo":
+        loss = masked_sum_per_seq.mean()
     else:  # dapo, cispo
         items = float(tokens_per_seq.sum()) if num_items_in_batch is None else float(num_items_in_batch)
         loss = masked_sum_per_seq.sum() / max(items, 1.0)

@@ -1,5 +1,8 @@
 """``cbverify matrix``: the upstream checks, the compatibility tests, ``verify`` and optionally the fuzzer across
-transformers (x trl) versions, one cached venv each (see ``cbverify.upstream.matrix`` and ``matrix_checks``)."""
+transformers x trl versions, one cached venv each (see ``cbverify.upstream.matrix`` and ``matrix_checks``).
+
+Versions not given default to the installed ones: ``--trl 1.8.0`` alone runs trl 1.8.0 beside the installed
+transformers, ``--transformers 5.9.0`` alone beside the pinned trl."""
 
 from __future__ import annotations
 
@@ -10,16 +13,21 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from cbverify.upstream.matrix import REPO, combo_name, ensure_base, ensure_venv, minor_releases
-from cbverify.upstream.matrix_checks import render_markdown, render_text, run_combo, table
+from cbverify.upstream.matrix_checks import install_failed, render_markdown, render_text, run_combo, table
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transformers", nargs="+", default=[], help="transformers versions or checkout paths")
     parser.add_argument(
         "--all-minors", metavar="FROM", default=None,
-        help="also every minor release from FROM (e.g. 5.8), the newest patch of each, as the package index lists",
+        help="also every transformers minor release from FROM (e.g. 5.8), the newest patch of each, as the package "
+        "index lists",
     )  # fmt: skip
-    parser.add_argument("--trl", nargs="+", default=[None], help="trl versions or checkout paths (default: pinned)")
+    parser.add_argument("--trl", nargs="+", default=[], help="trl versions or checkout paths (default: pinned)")
+    parser.add_argument(
+        "--all-trl-minors", metavar="FROM", default=None,
+        help="also every trl minor release from FROM (e.g. 1.0), the newest patch of each, as the package index lists",
+    )  # fmt: skip
     parser.add_argument("--venv-dir", type=Path, default=REPO / ".matrix-venvs", help="where the cached venvs live")
     parser.add_argument(
         "--out", type=Path, default=REPO / ".matrix-venvs" / "results", help="folder for JSON/Markdown/log output"
@@ -35,12 +43,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import transformers
     from tqdm import tqdm
 
-    versions = list(args.transformers) + (minor_releases(args.all_minors) if args.all_minors else [])
-    if not versions:
-        raise SystemExit("cbverify matrix: give --transformers VERSION ... and/or --all-minors FROM")
-    combos = [(t, r) for t in dict.fromkeys(versions) for r in args.trl]
+    versions = list(args.transformers) + (minor_releases("transformers", args.all_minors) if args.all_minors else [])
+    trls = list(args.trl) + (minor_releases("trl", args.all_trl_minors) if args.all_trl_minors else [])
+    if not versions and not trls:
+        raise SystemExit("cbverify matrix: give --transformers / --all-minors and/or --trl / --all-trl-minors")
+    combos = [
+        (t, r) for t in dict.fromkeys(versions or [transformers.__version__]) for r in dict.fromkeys(trls or [None])
+    ]
     args.venv_dir.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     with (args.out / "base.log").open("w") as log:
@@ -53,9 +65,11 @@ def run(args: argparse.Namespace) -> int:
         name, start = combo_name(*combo), time.perf_counter()
         with (args.out / f"{name}.log").open("w") as log:
             error = ensure_venv(args.venv_dir / name, *combo, log)
-            payload = run_combo(args.venv_dir / name, args, args.out, name, log) if error is None else error
+            payload = (
+                run_combo(args.venv_dir / name, args, args.out, name, log) if error is None else install_failed(error)
+            )
         seconds = round(time.perf_counter() - start, 1)
-        bad = payload if isinstance(payload, str) else [r["check"] for r in payload["results"] if not r["ok"]]
+        bad = [r["label"] if r["check"] == "venv" else r["check"] for r in payload["results"] if not r["ok"]]
         tqdm.write(f"[{name}] {seconds} s: " + (f"unexpected: {bad}" if bad else "as expected"))
         bar.update()
         return name, payload, seconds
@@ -65,9 +79,9 @@ def run(args: argparse.Namespace) -> int:
     bar.close()
     columns = {name: payload for name, payload, _ in done}
     timings = {name: seconds for name, _, seconds in done}
-    ok = all(isinstance(p, dict) and all(r["ok"] for r in p["results"]) for p in columns.values())
+    ok = all(r["ok"] for p in columns.values() for r in p["results"])
     header, rows = table(columns)
-    versions_seen = {n: p["versions"] if isinstance(p, dict) else p for n, p in columns.items()}
+    versions_seen = {n: p["versions"] for n, p in columns.items()}
     (args.out / "matrix.json").write_text(json.dumps({"versions": versions_seen, "seconds": timings,
                                                       "header": header, "rows": rows}, indent=2))  # fmt: skip
     md = render_markdown(header, rows) + "\n\n" + "\n".join(f"- `{n}`: {s} s" for n, s in timings.items())

@@ -1,10 +1,12 @@
 """Observe what a TRL trainer sees by wrapping its methods on the instance; TRL itself is never edited.
 
 Wrapped (each wrapper calls the original and records; a trainer method missing in the installed TRL raises
-``AttributeError`` naming it, never a silent skip):
+:class:`~cbverify.upstream.trl_compat.MissingFeature` naming it, never a silent skip; what differs between TRL
+releases is read through :mod:`cbverify.upstream.trl_compat`):
 
-- ``_generate``: the prompts, prompt ids, completion ids and sampler log-probs TRL received, plus a
-  :class:`ModelSnapshot` and a probe forward before and after generation (also when generation raises);
+- ``_generate``: the prompts, prompt ids, completion ids and sampler log-probs TRL received (picked out of its
+  return value by the names TRL unpacks it into), plus a :class:`ModelSnapshot` and a probe forward before and after
+  generation (also when generation raises);
 - ``model.generate_batch`` (the ``cb`` path): the raw transformers ``GenerationOutput`` objects, errors included;
 - ``_calculate_rewards`` and ``_generate_and_score_completions``: rewards and the scored batch (advantages,
   ``sampling_per_token_logps``, ``importance_sampling_ratio``, masks) before TRL shuffles it;
@@ -18,6 +20,8 @@ import json
 from dataclasses import dataclass, field
 
 import torch
+
+from cbverify.upstream import trl_compat
 
 PROBE_IDS = (1, 19, 17, 4, 5, 13, 10, 22, 4, 5, 13, 10, 15, 12)  # "<bos>Q:12+7\n12+7=19"-like fixed token ids
 
@@ -118,9 +122,10 @@ def _wrap_generate(trainer, capture: Capture) -> None:
         finally:
             model.__dict__.pop("generate_batch", None)  # drop our instance shadow before measuring the model
             record.after = snapshot(unwrap(trainer))
-        record.prompt_ids = [list(map(int, p)) for p in out[0]]
-        record.completion_ids = [list(map(int, c)) for c in out[1]]
-        logprobs = out[4] if len(out) >= 5 else None  # GRPO returns 8 fields, RLOO 3 (no sampler log-probs)
+        fields = trl_compat.generated(trainer, out)
+        record.prompt_ids = [list(map(int, p)) for p in fields[trl_compat.PROMPT_IDS]]
+        record.completion_ids = [list(map(int, c)) for c in fields[trl_compat.COMPLETION_IDS]]
+        logprobs = fields.get(trl_compat.SAMPLER_LOGPROBS)  # RLOO returns none
         record.sampler_logprobs = None if logprobs is None else [list(map(float, lp)) for lp in logprobs]
         return out
 
@@ -199,13 +204,10 @@ def _wrap_loss(trainer, capture: Capture) -> None:
 
 def install(trainer, capture: Capture) -> None:
     """Wrap ``trainer``'s methods so that ``capture`` fills as it trains or evaluates."""
-    for name in ("_generate", "_calculate_rewards", "_generate_and_score_completions", "_compute_loss",
-                 "_get_per_token_logps_and_entropies"):  # fmt: skip
-        if not hasattr(trainer, name):
-            raise AttributeError(f"{type(trainer).__name__} has no {name}: this TRL version lacks the hook point")
+    trl_compat.require_hooks("grpo" if isinstance(trainer, trl_compat.GRPOTrainer) else "rloo")
     args = trainer.args
     capture.trainer_info = {
-        "eos_ids": tuple(int(t) for t in getattr(trainer, "eos_token_ids", None) or [trainer.eos_token_id]),
+        "eos_ids": trl_compat.eos_token_ids(trainer),
         "scale_rewards": getattr(args, "scale_rewards", "group"),
         "epsilon_low": float(args.epsilon),
         "epsilon_high": float(args.epsilon_high if args.epsilon_high is not None else args.epsilon),

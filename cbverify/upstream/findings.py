@@ -7,14 +7,17 @@ which versions, with one line of measured evidence. Tests assert that every regi
 any FAIL not covered here is a real failure. ``cbverify upstream`` prints this table.
 
 Evidence lines were measured on torch 2.13.0 / transformers 5.24.0 / trl 1.16.0 / accelerate 1.15.0, CPU, with the
-scenarios named in ``when``; ``affected`` lists what was verified, and each ``transformers`` range was made exact by
-``cbverify matrix --all-minors 5.8`` (the newest patch of every minor release from 5.8 to 5.24).
+scenarios named in ``when`` (a finding that only older TRL shows: on the release it names); ``affected`` lists what was
+verified, each ``transformers`` range was made exact by ``cbverify matrix --all-minors 5.8`` (the newest patch of every
+minor release from 5.8 to 5.24) and each ``trl`` range by ``cbverify matrix --all-trl-minors 1.0`` (1.0 to 1.16 beside
+transformers 5.24.0).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from cbverify.upstream.scenario import TrainerScenario
 
@@ -53,6 +56,8 @@ class Finding:
     repro_model: str = "tiny-qwen2-random"  # the bundled model the repro runs on
     data_dependent: bool = False  # shows for some data only: a PASS elsewhere is no sign of a fix (the repro is)
     transformers: str = ""  # PEP 440 specifier of the transformers versions it shows on ("" = every version seen)
+    trl: str = ""  # PEP 440 specifier of the trl versions it shows on ("" = every version seen)
+    script: str = ""  # a standalone repro in cbverify/upstream/repros/ (torch, transformers, trl, datasets): exits 1
 
     def covers(self, result: CheckResult, scenario, model_type: str) -> bool:
         arch_ok = not self.architectures or model_type in self.architectures
@@ -60,17 +65,27 @@ class Finding:
         return hit and arch_ok and self.on_installed_version()
 
     def on_installed_version(self) -> bool:
-        return transformers_in(self.transformers)
+        return transformers_in(self.transformers) and installed_in("trl", self.trl)
+
+    def versions(self) -> str:
+        """The version ranges it shows on, in words."""
+        return f"transformers {self.transformers or '(every version seen)'}, trl {self.trl or '(every version seen)'}"
+
+
+def installed_in(package: str, specifier: str) -> bool:
+    """Whether the installed ``package`` is in a PEP 440 ``specifier`` (an empty one means every version)."""
+    if not specifier:
+        return True
+    from importlib.metadata import version
+
+    from packaging.specifiers import SpecifierSet
+
+    return version(package) in SpecifierSet(specifier)
 
 
 def transformers_in(specifier: str) -> bool:
     """Whether the installed transformers is in a PEP 440 ``specifier`` (an empty one means every version)."""
-    if not specifier:
-        return True
-    import transformers
-    from packaging.specifiers import SpecifierSet
-
-    return transformers.__version__ in SpecifierSet(specifier)
+    return installed_in("transformers", specifier)
 
 
 PINNED = "transformers 5.24.0 + trl 1.16.0 (+ accelerate 1.15.0)"
@@ -80,6 +95,12 @@ MATRIX = (
     "5.22.2, 5.23.0, 5.24.0"
 )
 ALL_SEEN = f"every transformers release of the matrix ({MATRIX}) with trl 1.16.0"
+# `cbverify matrix --all-trl-minors 1.0`: the newest patch of every trl minor release beside transformers 5.24.0
+TRL_MATRIX = (
+    "1.0.0, 1.1.0, 1.2.0, 1.3.0, 1.4.0, 1.5.1, 1.6.0, 1.7.1, 1.8.0, 1.9.2, 1.10.0 to 1.13.0, 1.14.2, 1.15.0, 1.16.0"
+)
+ALL_SEEN_TRL = f"{ALL_SEEN}; every trl release of the TRL matrix ({TRL_MATRIX}) with transformers 5.24.0"
+CB_SEEN = f"{ALL_SEEN}; trl 1.7.1 to 1.16.0 with transformers 5.24.0 (the TRL matrix; TRL has the cb path from 1.7)"
 
 FINDINGS: tuple[Finding, ...] = (
     Finding(
@@ -88,7 +109,8 @@ FINDINGS: tuple[Finding, ...] = (
         path="cb",
         when="bf16=True, Llama",
         applies=lambda s: s.bf16,
-        affected="transformers 5.24.0 + trl 1.16.0; not 5.8.1 to 5.23.0 (the matrix)",
+        affected="transformers 5.24.0 + trl 1.16.0; not 5.8.1 to 5.23.0 (the matrix); with transformers 5.24.0, trl "
+        "1.7.1 to 1.16.0 (the TRL matrix; TRL has the cb path from 1.7)",
         transformers=">=5.24",
         evidence="every CB request FAILED: LlamaModel.forward returns the cache it is given whatever use_cache says "
         "(Qwen2Model returns None with use_cache off, as CB calls it), and accelerate's mixed-precision forward "
@@ -105,7 +127,7 @@ FINDINGS: tuple[Finding, ...] = (
         path="cb",
         when="bf16=True",
         applies=lambda s: s.bf16,
-        affected=ALL_SEEN,
+        affected=CB_SEEN,
         evidence="GRPOTrainer._generate_single_turn runs unwrapped_model.to(torch.bfloat16) before generate_batch "
         "and never casts back: all trained parameters float32 -> bfloat16 (the optimizer then updates bf16 "
         "weights); the probe forward after generation differs (max |diff| ~6e-3 on a random tiny Llama)",
@@ -113,14 +135,27 @@ FINDINGS: tuple[Finding, ...] = (
     ),
     Finding(
         id="cb-forces-train-mode",
-        checks=("generation_keeps_mode", "run_completes"),
+        checks=("generation_keeps_mode",),
         path="cb",
         when="trainer.evaluate()",
         applies=lambda s: s.evaluate,
-        affected=ALL_SEEN,
+        affected=CB_SEEN,
         evidence="GRPOTrainer._generate_single_turn calls unwrapped_model.train() after generate_batch whatever the "
-        "mode was: generation during evaluate() leaves the model in train mode, and _compute_loss then takes the "
-        "train branch and raises AttributeError: no attribute 'current_gradient_accumulation_steps'",
+        "mode was: generation during evaluate() leaves the model in train mode",
+        repro=TrainerScenario(path="cb", evaluate=True),
+    ),
+    Finding(
+        id="cb-train-mode-crashes-evaluate",
+        checks=("run_completes",),
+        path="cb",
+        when="trainer.evaluate() with loss_type dapo (the default) or cispo",
+        applies=lambda s: s.evaluate and s.loss_type in ("dapo", "cispo"),
+        affected="transformers 5.24.0 + trl 1.9.2 to 1.16.0 (the TRL matrix); not trl 1.7.1 or 1.8.0 (they finish "
+        "evaluate())",
+        trl=">=1.9",
+        evidence="after cb-forces-train-mode, _compute_loss takes its train branch, which from trl 1.9 rescales the "
+        "dapo/cispo normaliser by current_gradient_accumulation_steps, an attribute only the training loop sets: "
+        "AttributeError: no attribute 'current_gradient_accumulation_steps' (1.7 and 1.8 finish evaluate())",
         repro=TrainerScenario(path="cb", evaluate=True),
     ),
     Finding(
@@ -129,7 +164,8 @@ FINDINGS: tuple[Finding, ...] = (
         path="cb",
         when="greedy (RNG is compared only where no sampling may consume it)",
         applies=lambda s: s.greedy,
-        affected="transformers 5.9.0 to 5.24.0 + trl 1.16.0 (the matrix); not 5.8.1 (it has no config seed)",
+        affected="transformers 5.9.0 to 5.24.0 + trl 1.16.0 (the matrix); not 5.8.1 (it has no config seed); with "
+        "transformers 5.24.0, trl 1.7.1 to 1.16.0 (the TRL matrix; TRL has the cb path from 1.7)",
         transformers=">=5.9",
         evidence="ContinuousBatchingManager.__init__ -> DistributedHelper.set_tp_seed calls torch.manual_seed(...) "
         "on every generate_batch (with the config's seed, or one drawn from the global RNG): greedy generation, "
@@ -142,7 +178,7 @@ FINDINGS: tuple[Finding, ...] = (
         path="cb",
         when="transformers_continuous_batching_config return_logprobs=True",
         applies=lambda s: s.cb_return_logprobs,
-        affected=ALL_SEEN,
+        affected=CB_SEEN,
         evidence="transformers returns one log-prob per generated token (GenerationOutput.logprobs) but "
         "GRPOTrainer._generate_single_turn sets logprobs = None on the CB path: no sampling_per_token_logps ever "
         "reaches the trainer",
@@ -154,7 +190,7 @@ FINDINGS: tuple[Finding, ...] = (
         path="*",
         when="vllm_importance_sampling_correction=True",
         applies=lambda s: s.is_correction,
-        affected=ALL_SEEN,
+        affected=ALL_SEEN_TRL,
         evidence="the only IS-correction switch is gated on use_vllm in _generate_and_score_completions and "
         "_compute_loss: with generate(), CB or a rollout_func that returns log-probs, no importance_sampling_ratio "
         "is computed or applied and nothing warns",
@@ -168,7 +204,8 @@ FINDINGS: tuple[Finding, ...] = (
         applies=lambda s: s.repetition_penalty != 1.0,
         affected="transformers 5.24.0 + trl 1.16.0 on the random Qwen2; not 5.8.0 or 5.16.0 (an earlier run); the "
         "matrix's trained Llama cannot show it (the penalty changes none of its greedy choices: NOT-APPLICABLE on "
-        "every release), so releases in between are unconfirmed; the fuzzer sees the manager drop it on all of them",
+        "every release, trl releases included), so releases in between are unconfirmed; the fuzzer sees the manager "
+        "drop it on all of them",
         transformers=">5.16.0",
         evidence="ContinuousBatchingLogitsProcessorList drops RepetitionPenaltyLogitsProcessor "
         "(supports_continuous_batching=False, drop_unsupported_processors=True) with only a logger warning: "
@@ -181,12 +218,62 @@ FINDINGS: tuple[Finding, ...] = (
         path="*",
         when="a group of equal rewards whose float32 mean is inexact (e.g. three rewards of 5/7)",
         applies=lambda s: True,
-        affected=ALL_SEEN,
+        affected=ALL_SEEN_TRL,
         evidence="_generate_and_score_completions computes group mean/std in float32: rewards [5/7]*3 give "
         "reward - mean = 5.96e-8, divided by (std + 1e-4) -> advantage 5.96e-4 for every member instead of 0 "
         "(same sign for the whole group); the float64 reference gives 0",
         repro=TrainerScenario(path="generate", num_generations=3, reward="constant"),
         data_dependent=True,
+    ),
+    Finding(
+        id="luspo-token-level-loss-counts-padding",
+        checks=("loss_matches_reference",),
+        path="*",
+        when="loss_type='luspo' at importance_sampling_level='token' (TRL's default level), rows of unequal length",
+        applies=lambda s: s.loss_type == "luspo" and s.importance_sampling_level == "token",
+        affected="transformers 5.24.0 + trl 1.0.0 to 1.9.2 (the TRL matrix); not 1.10.0 to 1.16.0",
+        trl="<1.10",
+        evidence="_compute_loss aggregates luspo as (per_token_loss * mask.sum(1, keepdim=True)).mean(), right only "
+        "for a (B, 1) per-sequence term: at token level the term is (B, T), so padded positions count and the mean "
+        "runs over B * T: dloss/dlogps off the reference by 6.6e-3 on the trained Llama (rows of 26 and 27 tokens); "
+        "1.10 masks first ((per_token_loss * mask).sum(-1).mean())",
+        repro=TrainerScenario(path="generate", loss_type="luspo", max_completion_length=32),
+        repro_model="tiny-llama-arith",
+        data_dependent=True,
+        script="luspo_token_level_loss_counts_padding.py",
+    ),
+    Finding(
+        id="unscorable-completion-scored-as-zero",
+        checks=("advantages_match_reference",),
+        path="*",
+        when="a reward function returns None for a completion (unscorable; TRL turns it into NaN)",
+        applies=lambda s: s.reward == "unscorable",
+        affected="transformers 5.24.0 + trl 1.0.0 to 1.5.1 (the TRL matrix); not 1.6.0 to 1.16.0",
+        trl="<1.6",
+        evidence="_generate_and_score_completions sums the reward functions with nansum, so an unscorable "
+        "completion's reward is 0, and that 0 enters its group's mean and std: group rewards [r1, r2, None] give "
+        "advantages [0.044, 0.977, -1.021] where the reference gives [-0.707, 0.707, 0] (the unscorable completion "
+        "itself is trained on); 1.6 leaves NaN rows out of the statistics and zeroes their advantage",
+        repro=TrainerScenario(path="generate", num_generations=3, reward="unscorable"),
+        repro_model="tiny-llama-arith",
+        script="unscorable_completion_scored_as_zero.py",
+    ),
+    Finding(
+        id="fused-lm-head-needs-triton",
+        checks=("run_completes", "mixed_precision_completes"),
+        path="*",
+        when="any trainer step, on a torch without Triton (the CPU wheels, as the pinned torch 2.13.0 here)",
+        applies=lambda s: True,
+        affected="trl 1.15.0 + transformers 5.24.0, torch 2.13.0 CPU (the TRL matrix); not 1.14.2 (no fused head) or "
+        "1.16.0 (a torch fallback)",
+        trl="==1.15.*",
+        evidence="GRPOTrainer and RLOOTrainer patch the model's forward with a fused LM head whose chunked log-prob "
+        "function comes from trl.kernels, which imports triton; trl.trainer.utils catches the ImportError and sets "
+        "_ChunkedLogProbFunction = None, so every training or evaluation forward raises AttributeError: "
+        "'NoneType' object has no attribute 'apply'",
+        repro=TrainerScenario(path="generate", top_k=3, is_correction=True),
+        repro_model="tiny-llama-arith",
+        script="fused_lm_head_needs_triton.py",
     ),
     Finding(
         id="cb-leaves-paged-attention-for-training",
@@ -202,6 +289,9 @@ FINDINGS: tuple[Finding, ...] = (
         repro=TrainerScenario(path="cb", greedy=True, loss_type="grpo", gradient_accumulation_steps=2),
     ),
 )
+
+
+SCRIPTS = Path(__file__).with_name("repros")
 
 
 def expected_status(result: CheckResult, scenario, model_type: str) -> str | None:

@@ -3,10 +3,15 @@
 Each step is this repository's own command run by the venv's interpreter; each gives rows of
 ``{"check", "path", "label", "ok"}`` (the upstream payload's shape):
 
+0. ``venv``: how the venv was made: ``pass``, ``pass(+requests)`` when modules TRL imports without declaring them
+   were added (:func:`cbverify.upstream.matrix.ensure_venv`), or ``ERROR(<pip's reason>)`` when it could not be
+   built (:func:`install_failed`; then nothing else runs in it);
 1. ``upstream``: ``python -m cbverify upstream --run --json`` (the trainer scenarios, judged against the registry);
-2. ``pytest``: the compatibility-layer tests (``property_tests/test_transformers_compat.py``) and every registered
-   fuzz finding's repro, strict both ways (inside its ``transformers`` range it must reproduce, outside it must not),
-   read from a JUnit XML file;
+2. ``pytest``: the compatibility-layer tests (``property_tests/test_transformers_compat.py``,
+   ``test_trl_compat.py``), the reference-vs-TRL loss cross-check (``test_reference_vs_trl.py``), every upstream
+   finding's standalone script (exit 1 exactly inside its version ranges) and every registered fuzz finding's
+   repro, strict both ways (inside its ``transformers`` range it must reproduce, outside it must not), read from a
+   JUnit XML file;
 3. ``verify``: ``python -m cbverify verify --json`` on the bundled model: one row per engine;
 4. ``fuzz`` (with ``--fuzz N``): ``python -m cbverify fuzz --engine transformers-cb --examples N --json``: one row,
    ``pass`` (nothing found), ``xfail(k)`` (only registered failure classes) or ``FAIL(k)`` (k unregistered).
@@ -22,12 +27,15 @@ import subprocess
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from cbverify.upstream.matrix import REPO
+from cbverify.upstream.matrix import REPO, added_modules
 
 RANK = {"ERROR": 6, "FAIL": 5, "FIXED?": 4, "XFAIL": 3, "PASS": 2, "NOT-APPLICABLE": 1, "N/A": 1}
 SHORT = {"NOT-APPLICABLE": "n/a", "N/A": "n/a", "XFAIL": "xfail", "PASS": "pass"}
 PYTEST_TARGETS = (
     "property_tests/test_transformers_compat.py",
+    "property_tests/test_trl_compat.py",
+    "property_tests/test_reference_vs_trl.py",
+    "property_tests/test_upstream_findings.py::test_every_repro_script_fails_exactly_inside_its_versions",
     "property_tests/test_fuzz.py::test_every_registered_fuzz_finding_still_reproduces",
 )
 
@@ -107,11 +115,19 @@ def fuzz_rows(python: str, args, out: Path, log) -> list[dict]:
     return [_row(check, "transformers-cb", f"XFAIL({registered} registered)" if registered else "PASS", True)]
 
 
+def install_failed(error: str) -> dict:
+    """The payload of a venv that could not be built: one ``venv`` row with pip's reason."""
+    return {"versions": {"error": error}, "results": [_row("venv", "-", f"ERROR({error})", False)]}
+
+
 def run_combo(venv: Path, args, out_dir: Path, name: str, log) -> dict:
     """Every step in ``venv``: ``{"versions": ..., "results": [...]}`` (``versions`` holds an error if upstream
     could not run)."""
     python = str(venv / "bin" / "python")
-    results, versions = upstream_rows(python, args, out_dir / f"{name}.upstream.json", log)
+    added = added_modules(venv)
+    results = [_row("venv", "-", f"PASS(+{', '.join(added)})" if added else "PASS", True)]
+    upstream, versions = upstream_rows(python, args, out_dir / f"{name}.upstream.json", log)
+    results += upstream
     results += pytest_rows(python, args, out_dir / f"{name}.pytest.xml", log)
     results += verify_rows(python, args, out_dir / f"{name}.verify.json", log)
     if args.fuzz:
@@ -127,20 +143,17 @@ def _cell(labels: list[str]) -> str:
     return SHORT.get(head, head) + (f"({rest}" if rest else "")
 
 
-def table(columns: dict[str, dict | str]) -> tuple[list[str], list[list[str]]]:
-    """``columns``: combo -> payload (or an install error). Rows: (check, path); cells: the worst label."""
+def table(columns: dict[str, dict]) -> tuple[list[str], list[list[str]]]:
+    """``columns``: combo -> payload. Rows: (check, path); cells: the worst label, ``-`` where a combo has none."""
     keys: list[tuple[str, str]] = []
     for payload in columns.values():
-        for r in payload["results"] if isinstance(payload, dict) else []:
+        for r in payload["results"]:
             if (r["check"], r["path"]) not in keys:
                 keys.append((r["check"], r["path"]))
     rows = []
     for check, path in keys:
         row = [check, path]
         for payload in columns.values():
-            if not isinstance(payload, dict):
-                row.append("INSTALL-FAILED")
-                continue
             row.append(_cell([r["label"] for r in payload["results"] if (r["check"], r["path"]) == (check, path)]))
         rows.append(row)
     return ["check", "path", *columns], rows

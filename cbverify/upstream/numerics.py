@@ -129,7 +129,7 @@ def loss_matches_reference(scenario: TrainerScenario, capture: Capture, trainer_
         per = record.per_token_logps.double().requires_grad_(True)
         ref = grpo_loss(per, None if old is None else old.double(), None, None, x["advantages"].double(),
                         x["completion_mask"].double(), config, num_items_in_batch=items)  # fmt: skip
-        scale = record.accumulation_steps if scenario.loss_type in ("grpo", "bnpo", "dr_grpo") else 1
+        scale = record.accumulation_steps if scenario.loss_type in ("grpo", "bnpo", "dr_grpo", "luspo") else 1
         expected = float(ref.loss) / scale  # TRL divides these loss types by the accumulation steps itself
         if abs(record.loss - expected) > LOSS_ATOL + LOSS_RTOL * abs(expected):
             return [_result(check, scenario, FAIL, f"trainer loss {record.loss:.8g} != reference {expected:.8g}")]

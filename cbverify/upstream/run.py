@@ -6,19 +6,19 @@ returns
 the :class:`~cbverify.upstream.capture.Capture`. A trainer that raises does not raise here: the error is kept in
 ``capture.run_error`` so that each check can report it as a FAIL with its reason (a crash is a result).
 
-:func:`feature_support` says which trainer features the installed versions offer (checked by presence, never
-assumed), so a check on a version that lacks one reports NOT-APPLICABLE naming the version.
+:func:`not_applicable` says why a scenario cannot run on the installed versions (checked by presence, never assumed:
+TRL's through :mod:`cbverify.upstream.trl_compat`), so its checks report NOT-APPLICABLE naming the version.
 """
 
 from __future__ import annotations
 
 import copy
-import inspect
 import logging
 import warnings
 
 import torch
 
+from cbverify.upstream import trl_compat
 from cbverify.upstream.capture import Capture, install
 from cbverify.upstream.rollout import make_rollout_func
 from cbverify.upstream.scenario import TrainerScenario, build_trainer
@@ -33,60 +33,30 @@ def versions() -> dict[str, str]:
             "trl": trl.__version__, "accelerate": accelerate.__version__}  # fmt: skip
 
 
-def feature_support() -> dict[str, str | None]:
-    """Feature -> ``None`` when supported, else a one-line reason naming the installed version that lacks it."""
-    import trl
-    from trl import GRPOConfig, GRPOTrainer
+def transformers_cb_support(return_logprobs: bool) -> str | None:
+    """Why the installed transformers cannot serve TRL's ``cb`` path (with ``return_logprobs``), or ``None``."""
+    import transformers
 
-    v = versions()
-    fields = set(GRPOConfig.__dataclass_fields__)
-    out: dict[str, str | None] = {}
-    out["cb"] = (
-        None if "use_transformers_continuous_batching" in fields
-        else f"trl {trl.__version__} has no GRPOConfig.use_transformers_continuous_batching"
-    )  # fmt: skip
-    if out["cb"] is None:
-        try:
-            from transformers.generation import ContinuousBatchingConfig  # noqa: F401
-        except ImportError:
-            out["cb"] = f"transformers {v['transformers']} has no ContinuousBatchingConfig"
-    has_rollout = "rollout_func" in inspect.signature(GRPOTrainer.__init__).parameters
-    out["rollout_func"] = None if has_rollout else f"trl {trl.__version__} GRPOTrainer takes no rollout_func"
-    out["generate"] = None
-    out["cb_return_logprobs"] = None
-    if out["cb"] is None:
+    try:
         from transformers.generation import ContinuousBatchingConfig
-
-        if "return_logprobs" not in ContinuousBatchingConfig.__dataclass_fields__:
-            lacks = f"transformers {v['transformers']} ContinuousBatchingConfig has no return_logprobs"
-            out["cb_return_logprobs"] = lacks
-    return out
-
-
-HOOKS = ("_generate", "_calculate_rewards", "_generate_and_score_completions", "_compute_loss",
-         "_get_per_token_logps_and_entropies")  # fmt: skip
-
-
-def missing_hooks(trainer: str) -> str | None:
-    """The private trainer methods :mod:`cbverify.upstream.capture` wraps that this TRL lacks, named, or ``None``."""
-    import trl
-
-    cls = trl.GRPOTrainer if trainer == "grpo" else trl.RLOOTrainer
-    missing = [h for h in HOOKS if not hasattr(cls, h)]
-    return f"trl {trl.__version__} {cls.__name__} lacks {', '.join(missing)} (hook points)" if missing else None
+    except ImportError:
+        return f"transformers {transformers.__version__} has no ContinuousBatchingConfig"
+    if return_logprobs and "return_logprobs" not in ContinuousBatchingConfig.__dataclass_fields__:
+        return f"transformers {transformers.__version__} ContinuousBatchingConfig has no return_logprobs"
+    return None
 
 
 def not_applicable(scenario: TrainerScenario) -> str | None:
     """Why ``scenario`` cannot run on the installed stack, or ``None``."""
-    support = feature_support()
-    if support.get(scenario.path):
-        return support[scenario.path]
-    if hooks := missing_hooks(scenario.trainer):
-        return hooks
-    if scenario.path == "rollout_func" and scenario.trainer != "grpo":
-        return f"RLOOTrainer (trl {versions()['trl']}) offers no rollout_func"
-    if scenario.path == "cb" and scenario.cb_return_logprobs and support["cb_return_logprobs"]:
-        return support["cb_return_logprobs"]
+    try:
+        trl_compat.require_path(scenario.trainer, scenario.path)
+        trl_compat.require_hooks(scenario.trainer)
+        if scenario.trainer == "grpo":
+            trl_compat.require_loss_type(scenario.loss_type)
+    except trl_compat.MissingFeature as missing:
+        return str(missing)
+    if scenario.path == "cb" and (reason := transformers_cb_support(scenario.cb_return_logprobs)):
+        return reason
     if scenario.bf16 and not torch.cuda.is_available() and not _cpu_bf16_ok():
         return "bf16 autocast unavailable on this CPU"
     return None

@@ -1,13 +1,14 @@
 """One drawn configuration of a TRL trainer run (:class:`TrainerScenario`) and how it becomes a real trainer.
 
 A scenario names the trainer (``grpo`` / ``rloo``), the generation path and every knob the upstream invariants vary.
-:func:`build_trainer` turns it into a TRL 1.16 ``GRPOTrainer`` / ``RLOOTrainer`` that runs
-offline on a local model object: ``datasets.Dataset.from_list``, ``report_to="none"``, ``use_cpu`` on CPU, no hub.
+:func:`build_trainer` turns it into a ``GRPOTrainer`` / ``RLOOTrainer`` of the installed TRL (1.0 to 1.16; its
+config through :func:`cbverify.upstream.trl_compat.config`, which refuses a field the release lacks) that runs offline
+on a local model object: ``datasets.Dataset.from_list``, ``report_to="none"``, ``use_cpu`` on CPU, no hub.
 
 Paths:
 
 - ``generate``: TRL's default, ``model.generate()`` on a left-padded batch;
-- ``cb``: ``use_transformers_continuous_batching=True`` with a small explicit
+- ``cb``: ``use_transformers_continuous_batching=True`` (TRL 1.7+) with a small explicit
   ``transformers_continuous_batching_config`` (``num_blocks`` / ``max_batch_tokens``: the defaults reserve GBs on CPU);
 - ``rollout_func``: a ``rollout_func`` backed by an engine (``cb_impl`` when it exists, else the reference generator),
   built by :mod:`cbverify.upstream.rollout`.
@@ -173,8 +174,16 @@ def unscored_reward(prompts, **_) -> list[None]:
     return [None] * len(prompts)
 
 
+def unscorable_reward(prompts, completions, completion_ids, answer, **_) -> list[float | None]:
+    """:func:`arithmetic_reward`, except that every third completion is unscorable: ``None``, which TRL accepts from
+    a reward function (it becomes NaN)."""
+    scores = arithmetic_reward(prompts, completions, completion_ids, answer)
+    return [None if i % 3 == 2 else score for i, score in enumerate(scores)]
+
+
 REWARDS = {"arithmetic": arithmetic_reward, "constant": constant_reward, "length": length_reward,
-           "digits": digit_reward, "parity": parity_reward, "unscored": unscored_reward}  # fmt: skip
+           "digits": digit_reward, "parity": parity_reward, "unscored": unscored_reward,
+           "unscorable": unscorable_reward}  # fmt: skip
 
 
 def _common_args(scenario: TrainerScenario, output_dir: str) -> dict:
@@ -220,6 +229,8 @@ def _math_args(scenario: TrainerScenario) -> dict:
 
 def build_trainer(scenario: TrainerScenario, model, tokenizer, rollout_func=None):
     """A real TRL trainer for ``scenario`` on ``model`` (trained in place: pass a copy you can spare)."""
+    from cbverify.upstream import trl_compat
+
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func's "experimental" banner, every run
     output_dir = tempfile.mkdtemp(prefix="cbverify-trl-")
@@ -230,14 +241,14 @@ def build_trainer(scenario: TrainerScenario, model, tokenizer, rollout_func=None
     if scenario.evaluate:
         common["eval_dataset"] = dataset
     if scenario.trainer == "grpo":
-        from trl import GRPOConfig, GRPOTrainer
+        from trl import GRPOTrainer
 
         args.update(loss_type=scenario.loss_type, importance_sampling_level=scenario.importance_sampling_level,
                     vllm_importance_sampling_correction=scenario.is_correction,
                     vllm_importance_sampling_mode=scenario.is_mode, **_math_args(scenario))  # fmt: skip
-        return GRPOTrainer(args=GRPOConfig(**args), rollout_func=rollout_func, **common)
+        return GRPOTrainer(args=trl_compat.config("grpo", **args), rollout_func=rollout_func, **common)
     if rollout_func is not None:
-        raise ValueError("RLOOTrainer (trl 1.16) takes no rollout_func: the rollout_func path is GRPO-only")
-    from trl import RLOOConfig, RLOOTrainer
+        trl_compat.require_path("rloo", "rollout_func")
+    from trl import RLOOTrainer
 
-    return RLOOTrainer(args=RLOOConfig(**args), **common)
+    return RLOOTrainer(args=trl_compat.config("rloo", **args), **common)

@@ -43,23 +43,28 @@ def check_scenario(scenario: TrainerScenario, model, tokenizer) -> list[CheckRes
         *checks.is_correction_applied(scenario, capture),
         *checks.mixed_precision_completes(scenario, capture),
     ]
-    if capture.losses or capture.run_error is None:
-        results += [
-            *numerics.trainer_logprobs_match_reference(scenario, capture),
-            *numerics.advantages_match_reference(scenario, capture, info.get("scale_rewards", "group")),
-            *numerics.loss_matches_reference(scenario, capture, info),
-        ]
-    else:
-        names = ("trainer_logprobs_match_reference", "advantages_match_reference",
-                 "zero_variance_groups_get_zero_advantage", "loss_matches_reference")  # fmt: skip
-        for name in names:
-            results.append(CheckResult(name, scenario.path, NA, "the run crashed before any loss (see run_completes)",
-                                       scenario.describe()))  # fmt: skip
+    # a run that crashed is judged on what it reached: advantages come from scoring, before any loss
+    ran = capture.run_error is None
+    reached_scoring, reached_loss = ran or bool(capture.scored), ran or bool(capture.losses)
+    advantage_checks = ("advantages_match_reference", "zero_variance_groups_get_zero_advantage")
+    results += [
+        *(numerics.trainer_logprobs_match_reference(scenario, capture) if reached_loss
+          else _not_reached(scenario, "trainer_logprobs_match_reference")),
+        *(numerics.advantages_match_reference(scenario, capture, info.get("scale_rewards", "group")) if reached_scoring
+          else _not_reached(scenario, *advantage_checks)),
+        *(numerics.loss_matches_reference(scenario, capture, info) if reached_loss
+          else _not_reached(scenario, "loss_matches_reference")),
+    ]  # fmt: skip
     results += numerics.sampled_tokens_within_processed_support(scenario, capture, model)
     results += numerics.sampler_logprob_semantics(scenario, capture, model)
     if capture.rollout_backend:
         results = [replace(r, reason=f"[{capture.rollout_backend}] {r.reason}") for r in results]
     return results
+
+
+def _not_reached(scenario: TrainerScenario, *names: str) -> list[CheckResult]:
+    reason = "the run crashed before reaching this (see run_completes)"
+    return [CheckResult(name, scenario.path, NA, reason, scenario.describe()) for name in names]
 
 
 def judge(result: CheckResult, scenario: TrainerScenario, model_type: str) -> tuple[bool, str]:
@@ -85,10 +90,12 @@ DEFAULT_SCENARIOS: tuple[TrainerScenario, ...] = tuple(
         dict(path="rollout_func", bf16=True, greedy=True, rollout_backend="cb_impl"),
         dict(path="generate", greedy=True, loss_type="grpo", gradient_accumulation_steps=2),
         dict(path="generate", num_generations=3, reward="constant"),
+        dict(path="generate", num_generations=3, reward="unscorable"),
         dict(path="cb", greedy=True, loss_type="grpo", gradient_accumulation_steps=2),
         dict(path="cb", greedy=True, repetition_penalty=1.5),
         dict(path="generate", greedy=True, repetition_penalty=1.5),
         dict(path="generate", bf16=True, loss_type="bnpo"),
+        dict(path="generate", loss_type="luspo", max_completion_length=32),  # rows of unequal length (padding)
         dict(path="cb", bf16=True),
         dict(path="cb", evaluate=True),
         dict(path="cb", trainer="rloo", top_p=0.8),

@@ -1,0 +1,179 @@
+"""What differs between TRL releases in what cbverify drives: detected, in one place.
+
+Everything of TRL's trainers that the capture (:mod:`cbverify.upstream.capture`), the scenarios
+(:mod:`cbverify.upstream.scenario`) and the loss cross-check (``property_tests/test_reference_vs_trl.py``) touch and
+that changed between 1.0 and 1.16, read in each minor release's newest patch (``trl/trainer/grpo_trainer.py``,
+``rloo_trainer.py``, ``grpo_config.py``; ``cbverify matrix --all-trl-minors 1.0`` builds them all):
+
+- the EOS ids a trainer generates with: ``trainer.eos_token_id`` (one id) up to 1.2, its tokenizer's
+  ``eos_token_id`` (``trainer._tokenizer``) from 1.3 to 1.13, ``trainer.eos_token_ids`` (the tokenizer's EOS first,
+  then the generation config's) from 1.14;
+- what GRPO's ``_generate`` returns, read from the names ``_generate_and_score_completions`` unpacks it into: 7
+  fields in 1.0 (the completion-token count ``num_items_in_batch`` before the sampler log-probs), 9 from 1.1 to 1.8
+  (images added), 8 from 1.9 (the count is made after generation); RLOO's is 3 long in every release (no sampler
+  log-probs);
+- ``_get_per_token_logps_and_entropies`` returns ``(logps, entropies)`` up to 1.6, ``(logps, entropies, aux_loss)``
+  from 1.7 (its ``compute_aux_loss`` argument);
+- transformers continuous batching with a configuration (``use_transformers_continuous_batching`` and
+  ``transformers_continuous_batching_config``) exists from 1.7, for GRPO and RLOO; before, only
+  ``use_transformers_paged``, which takes no CB configuration (its defaults reserve GBs), so the ``cb`` path is not
+  applicable there;
+- the IS-correction bounds: ``vllm_importance_sampling_cap`` (an upper bound) up to 1.5,
+  ``vllm_importance_sampling_clip_min`` / ``_clip_max`` from 1.6.
+
+Two behaviours changed without any name to detect them by, so they are told by the version (:func:`behaviour`):
+NaN sampler log-probs (tokens an engine could not score) get IS weight 1 from 1.11 (before, the NaN reaches the
+loss); an empty completion passes through scoring from 1.15 (before, ``_generate_and_score_completions`` decodes
+the padded completion ids, which an empty first row makes float through ``torch.tensor([])``, and the tokenizer
+refuses them). Where a release is wrong rather than different, it is a registered finding instead
+(:mod:`cbverify.upstream.findings`, with its ``trl`` range).
+
+The same in every release (checked; nothing to adapt): the five wrapped trainer methods, ``rollout_func`` (a
+``GRPOTrainer`` argument; ``RLOOTrainer`` never takes one), the loss types ``_compute_loss`` knows (grpo, bnpo,
+dr_grpo, dapo, cispo, sapo, luspo, vespo; :func:`loss_types` reads them), ``scale_rewards`` (group / batch / none),
+the IS modes, ``importance_sampling_level``, ``num_iterations``, ``mask_truncated_completions``,
+``top_entropy_quantile``, ``epsilon`` / ``epsilon_high`` / ``delta``, ``steps_per_generation`` (from 1.9 the
+dapo / cispo normaliser is scaled by the accumulation steps over it: the same number while the two are equal, its
+default and the only case the scenarios run).
+
+A feature the installed release lacks is refused with :class:`MissingFeature`, naming the release and what it lacks,
+which the upstream suite reports as NOT-APPLICABLE and the tests as a skip: never silently dropped.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from functools import cache
+
+import trl
+from packaging.version import Version
+from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+
+VERSION = trl.__version__
+TRAINERS = {"grpo": (GRPOTrainer, GRPOConfig), "rloo": (RLOOTrainer, RLOOConfig)}
+HOOKS = ("_generate", "_calculate_rewards", "_generate_and_score_completions", "_compute_loss",
+         "_get_per_token_logps_and_entropies")  # fmt: skip
+# the names TRL unpacks ``_generate``'s output into (every release): what the capture reads
+PROMPT_IDS, COMPLETION_IDS, SAMPLER_LOGPROBS = (
+    "prompt_ids_list",
+    "completion_ids_list",
+    "sampling_per_token_logps_list",
+)
+BEHAVIOURS = {  # behaviour -> the first release with it (nothing to detect it by; see the module docstring)
+    "nan_sampler_logprobs_weight_1": "1.11",
+    "empty_completions_scored": "1.15",
+}
+
+
+class MissingFeature(ValueError):
+    """The installed TRL lacks something a scenario, check or test asked for (the message names the release)."""
+
+
+def fields(trainer: str) -> frozenset[str]:
+    """The installed ``GRPOConfig`` / ``RLOOConfig`` fields (``trainer``: ``grpo`` / ``rloo``)."""
+    return frozenset(TRAINERS[trainer][1].__dataclass_fields__)
+
+
+def config(trainer: str, **options):
+    """The trainer's config built from ``options``; a field the release lacks is refused (:class:`MissingFeature`)."""
+    cls = TRAINERS[trainer][1]
+    if missing := sorted(set(options) - fields(trainer)):
+        raise MissingFeature(f"trl {VERSION}: {cls.__name__} has no {', '.join(missing)}")
+    return cls(**options)
+
+
+def require_hooks(trainer: str) -> None:
+    """The trainer methods the capture wraps exist on the installed release."""
+    cls = TRAINERS[trainer][0]
+    if missing := [h for h in HOOKS if not hasattr(cls, h)]:
+        raise MissingFeature(f"trl {VERSION}: {cls.__name__} lacks {', '.join(missing)} (hook points)")
+
+
+def require_path(trainer: str, path: str) -> None:
+    """The generation path (``generate`` / ``cb`` / ``rollout_func``) exists for ``trainer`` on this release."""
+    cls, config_cls = TRAINERS[trainer]
+    if path == "cb" and "use_transformers_continuous_batching" not in fields(trainer):
+        raise MissingFeature(f"trl {VERSION}: {config_cls.__name__} has no use_transformers_continuous_batching")
+    if path == "rollout_func" and "rollout_func" not in inspect.signature(cls.__init__).parameters:
+        raise MissingFeature(f"trl {VERSION}: {cls.__name__} takes no rollout_func")
+
+
+def loss_types() -> tuple[str, ...]:
+    """The ``loss_type`` values the installed ``GRPOTrainer._compute_loss`` compares ``self.loss_type`` with."""
+    found = []
+    for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(GRPOTrainer._compute_loss)))):
+        if isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute) and node.left.attr == "loss_type":
+            for compared in node.comparators:  # == "x", != "x", in ["x", "y"]
+                items = compared.elts if isinstance(compared, (ast.List, ast.Tuple)) else [compared]
+                found += [c.value for c in items if isinstance(c, ast.Constant) and isinstance(c.value, str)]
+    return tuple(sorted(set(found)))
+
+
+def require_loss_type(loss_type: str) -> None:
+    if loss_type not in loss_types():
+        raise MissingFeature(f"trl {VERSION}: GRPOTrainer._compute_loss has no loss_type {loss_type!r}")
+
+
+def eos_token_ids(trainer) -> tuple[int, ...]:
+    """The EOS ids ``trainer`` generates with (where the release keeps them: see the module docstring)."""
+    if hasattr(trainer, "eos_token_ids"):  # 1.14+
+        return tuple(int(t) for t in trainer.eos_token_ids)
+    if hasattr(trainer, "eos_token_id"):  # up to 1.2
+        return (int(trainer.eos_token_id),)
+    if hasattr(trainer, "_tokenizer"):  # 1.3 to 1.13
+        return (int(trainer._tokenizer.eos_token_id),)
+    raise MissingFeature(f"trl {VERSION}: {type(trainer).__name__} keeps no EOS id where cbverify knows to look")
+
+
+@cache
+def generate_layout(trainer_cls: type) -> tuple[str, ...]:
+    """The names ``trainer_cls._generate_and_score_completions`` unpacks ``self._generate(prompts)`` into."""
+    source = textwrap.dedent(inspect.getsource(trainer_cls._generate_and_score_completions))
+    for node in ast.walk(ast.parse(source)):
+        call = getattr(node, "value", None)
+        if (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple) and isinstance(call, ast.Call)
+                and isinstance(call.func, ast.Attribute) and call.func.attr == "_generate"):  # fmt: skip
+            return tuple(target.id for target in node.targets[0].elts)
+    raise MissingFeature(f"trl {VERSION}: {trainer_cls.__name__}._generate_and_score_completions unpacks no "
+                         "self._generate(...) tuple")  # fmt: skip
+
+
+def generated(trainer, output: tuple) -> dict:
+    """``_generate``'s ``output`` by the names TRL gives its fields (see :data:`PROMPT_IDS` and the others)."""
+    return dict(zip(generate_layout(type(trainer)), output, strict=True))
+
+
+def generate_output(trainer_cls: type, **values) -> tuple:
+    """A ``_generate`` return value for ``trainer_cls`` from ``values`` by name (extras: for other releases)."""
+    layout = generate_layout(trainer_cls)
+    if missing := [name for name in layout if name not in values]:
+        raise MissingFeature(f"trl {VERSION}: {trainer_cls.__name__}._generate also returns {', '.join(missing)}")
+    return tuple(values[name] for name in layout)
+
+
+def logps_output(logps, entropies) -> tuple:
+    """A ``_get_per_token_logps_and_entropies`` return value: with ``aux_loss=None`` where the release has it."""
+    params = inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters
+    return (logps, entropies, None) if "compute_aux_loss" in params else (logps, entropies)
+
+
+def has_is_clip_min() -> bool:
+    """Whether the IS correction takes a lower bound (``vllm_importance_sampling_clip_min``)."""
+    return "vllm_importance_sampling_clip_min" in fields("grpo")
+
+
+def is_bound_attributes(clip_min: float | None, clip_max: float | None) -> dict[str, float | None]:
+    """The ``GRPOTrainer`` attributes that hold the IS-correction bounds, with their values; a lower bound on a
+    release that has only ``vllm_importance_sampling_cap`` is refused."""
+    if has_is_clip_min():
+        return {"vllm_importance_sampling_clip_min": clip_min, "vllm_importance_sampling_clip_max": clip_max}
+    if clip_min is not None:
+        raise MissingFeature(f"trl {VERSION}: GRPOConfig has only vllm_importance_sampling_cap (no lower IS bound)")
+    return {"vllm_importance_sampling_cap": clip_max}
+
+
+def behaviour(name: str) -> bool:
+    """Whether the installed release has behaviour ``name`` of :data:`BEHAVIOURS`."""
+    return Version(VERSION) >= Version(BEHAVIOURS[name])
