@@ -8,19 +8,27 @@ A FAIL passes only when a registered finding covers it (``cbverify.upstream.find
 other to the config fields that matter. The default budget is small and derandomised; ``make fuzz-trl`` runs a long
 one with the example database (``CBVERIFY_TRL_EXAMPLES``).
 
-The metamorphic properties need no reference: the same rollouts give the same update however they are split into
-accumulation windows and generation batches; settings that only concern vLLM change nothing without it.
+The metamorphic properties need no reference:
+- the same rollouts give the same update however they are split into accumulation windows and generation batches;
+- settings that only concern vLLM (the importance-sampling correction, its mode and bounds) change nothing without it;
+- settings that only concern training (accumulation, generation and iteration steps, clipping, gradient clipping)
+  do not change what an evaluation reports;
+- how the reward is written down (the order of two reward functions, one function as two half-weight copies)
+  changes nothing.
+The partition check itself is tested on synthetic schedules (it must pass every consistent one and fail a misused
+row or a generation batch left short).
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 from dataclasses import replace
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from cbverify.tolerances import TRAINER_FP32_PARAM_GRAD
@@ -58,7 +66,10 @@ def _run(scenario, llama):
 def test_settings_that_only_concern_vllm_change_nothing_without_it(llama, scenario):
     """TRL applies its importance-sampling correction only with vLLM: on the ``rollout_func`` path, switching it on
     with another mode and other bounds leaves every gradient and every logged number bit-identical."""
-    other = replace(scenario, is_correction=not scenario.is_correction, is_clip_max=2.0, is_clip_min=0.5,
+    from cbverify.upstream import trl_compat
+
+    clip_min = 0.5 if trl_compat.has_is_clip_min() else None  # a lower bound exists from trl 1.6
+    other = replace(scenario, is_correction=not scenario.is_correction, is_clip_max=2.0, is_clip_min=clip_min,
                     is_mode="token_truncate" if scenario.is_mode == "sequence_mask" else "sequence_mask")  # fmt: skip
     first, second = _run(scenario, llama), _run(other, llama)
     for k, (a, b) in enumerate(zip(first.steps, second.steps, strict=True)):
@@ -67,6 +78,60 @@ def test_settings_that_only_concern_vllm_change_nothing_without_it(llama, scenar
         assert {k_: v for k_, v in a.logs.items() if k_ not in varying} == {
             k_: v for k_, v in b.logs.items() if k_ not in varying
         }, f"step {k} logs differ\n{scenario!r}"
+
+
+def _evaluate(scenario, llama, dataset) -> dict[str, float]:
+    """``trainer.evaluate()`` on ``dataset`` with a fresh float32 copy, the oracle rolling out; timings dropped."""
+    import copy
+
+    from cbverify.upstream.rollout import make_rollout_func
+    from cbverify.upstream.scenario import build_trainer
+
+    model = copy.deepcopy(llama.model).float()
+    rollout = make_rollout_func("reference", model, llama.tokenizer, base_seed=scenario.seed)
+    trainer = build_trainer(scenario, model, llama.tokenizer, rollout_func=rollout)
+    metrics = trainer.evaluate(eval_dataset=dataset)
+    timings = ("runtime", "per_second", "step_time", "preparation_time")
+    return {k: v for k, v in metrics.items() if not k.endswith(timings)}
+
+
+@settings(BUDGET, max_examples=max(1, EXAMPLES // 4))
+@given(scenario=trainer_configs(loss_types=LOSS_TYPES, max_steps=1))
+def test_settings_that_only_concern_training_do_not_change_what_evaluation_reports(llama, scenario):
+    """Evaluation neither accumulates nor iterates nor steps: on the same evaluation data, other accumulation,
+    generation and iteration steps, clipping bounds and gradient clipping report the same numbers (bit-identical:
+    evaluation is on-policy, so every ratio is exactly 1 and no clip bound can bind)."""
+    from cbverify.upstream.scenario import make_dataset
+
+    assume(scenario.batch_size % scenario.num_generations == 0)  # an evaluation batch holds whole groups
+    scenario = replace(scenario, evaluate=True)
+    other = replace(scenario, gradient_accumulation_steps=scenario.gradient_accumulation_steps % 3 + 1,
+                    steps_per_generation=2 * scenario.spg, num_iterations=3 - scenario.num_iterations,
+                    epsilon=0.3, epsilon_high=None, delta=None if scenario.delta else 1.5,
+                    max_grad_norm=0.5)  # fmt: skip
+    dataset = make_dataset(scenario)
+    assert _evaluate(scenario, llama, dataset) == _evaluate(other, llama, dataset), repr(scenario)
+
+
+@settings(BUDGET, max_examples=max(1, EXAMPLES // 4))
+@given(
+    scenario=trainer_configs(loss_types=LOSS_TYPES, max_steps=2), weights=st.sampled_from([(1.0, 1.0), (2.0, -0.5)])
+)
+def test_how_the_reward_is_written_down_changes_nothing(llama, scenario, weights):
+    """Representation only: two reward functions listed in the other order (each keeping its weight), or the first
+    one written as two copies of half its weight, give bit-identical gradients and the same logged reward, loss and
+    group statistics (``w*a + v*b`` and ``w/2*a + w/2*a + v*b`` are exact reorderings in float32)."""
+    second = scenario.more_rewards[0] if scenario.more_rewards else "digits"
+    base = replace(scenario, more_rewards=(second,), reward_weights=weights)
+    swapped = replace(base, reward=second, more_rewards=(base.reward,), reward_weights=weights[::-1])
+    halved = replace(base, more_rewards=(base.reward, second),
+                     reward_weights=(weights[0] / 2, weights[0] / 2, weights[1]))  # fmt: skip
+    runs = [_run(s, llama) for s in (base, swapped, halved)]
+    shared = ("loss", "reward", "reward_std", "frac_reward_zero_std", "entropy", "grad_norm")
+    for other, run in zip(("swapped", "halved"), runs[1:], strict=True):
+        for k, (a, b) in enumerate(zip(runs[0].steps, run.steps, strict=True)):
+            assert all(torch.equal(a.grads[n], b.grads[n]) for n in a.grads), f"{other}: step {k}\n{base!r}"
+            assert {n: a.logs.get(n) for n in shared} == {n: b.logs.get(n) for n in shared}, f"{other}: step {k}"
 
 
 @settings(BUDGET, max_examples=max(1, EXAMPLES // 4))
@@ -135,3 +200,63 @@ def test_the_gradient_check_catches_a_trainer_off_by_two_percent(llama, fault):
         _CLEAN["clean"] = verdict()
     assert _CLEAN["clean"] == "PASS"
     assert verdict(fault) == "FAIL"
+
+
+@st.composite
+def _schedules(draw):
+    """A synthetic record of how a trainer consumed its generation batches: each of ``num_iterations`` passes is a
+    drawn permutation of the batch's rows cut into ``spg`` micro-batches of ``size`` rows; training may stop in the
+    last generation batch. Returns (scenario, record)."""
+    from cbverify.upstream.steps import Generation, LossCall, Record
+
+    spg, size, iterations = draw(st.integers(1, 3)), 2 * draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    batches = draw(st.integers(1, 3))
+    record = Record(pad_token_id=0)
+    for g in range(batches):
+        rows = spg * size
+        completions = [(i + 1,) for i in range(rows)]  # distinct rows
+        advantages = torch.tensor([float(i) for i in range(rows)])
+        record.generations.append(Generation(0, [], {}, [(9,)] * rows, completions, torch.zeros(rows, 1), advantages))
+        calls = spg * iterations
+        if g == batches - 1:
+            calls = draw(st.integers(1, calls))  # max_steps reached
+        order = []
+        while len(order) < calls * size:
+            order += draw(st.permutations(range(rows)))
+        for c in range(calls):
+            picked = order[c * size : (c + 1) * size]
+            record.losses.append(LossCall(0, g, [((9,), completions[i]) for i in picked], advantages[picked], 0.0))
+    scenario = TrainerScenario(path="rollout_func", num_generations=2, per_device_train_batch_size=size,
+                               steps_per_generation=spg, gradient_accumulation_steps=spg,
+                               num_iterations=iterations)  # fmt: skip
+    return scenario, record
+
+
+@given(_schedules(), st.data())
+def test_the_partition_check_passes_every_consistent_schedule_and_fails_a_misused_row(schedule, data):
+    """``micro_batches_partition_generation`` on synthetic records: a trainer that uses every row once per pass (the
+    last batch possibly cut short) passes; one row of a call replaced by a row of the same batch that the pass
+    already used, or a whole generation batch (not the last) left short, fails."""
+    from cbverify.upstream.steps import check_partition
+
+    scenario, record = schedule
+    assert check_partition(scenario, record, assignments(record)).status == "PASS", repr(scenario)
+    g = data.draw(st.integers(0, len(record.generations) - 1))
+    calls = [i for i, c in enumerate(record.losses) if c.generation == g]
+    size = len(record.generations[g].completion_ids)
+    if len(calls) * scenario.batch_size >= 2 and size >= 2:  # a row used twice where another goes unused
+        index = data.draw(st.sampled_from(calls))
+        call = record.losses[index]
+        used = Counter(row for c in calls for row in record.losses[c].rows)
+        least = min(range(size), key=lambda i: used[((9,), (i + 1,))])
+        most = max(range(size), key=lambda i: used[((9,), (i + 1,))])
+        slot = next((k for k, row in enumerate(call.rows) if row == ((9,), (least + 1,))), None)
+        if slot is not None and least != most:
+            call.rows[slot] = ((9,), (most + 1,))
+            call.advantages = call.advantages.clone()
+            call.advantages[slot] = float(most)
+            assert check_partition(scenario, record, assignments(record)).status == "FAIL", repr(scenario)
+            return
+    if g < len(record.generations) - 1:  # a full generation batch that training left before its last micro-batch
+        del record.losses[calls[-1]]
+        assert check_partition(scenario, record, assignments(record)).status == "FAIL", repr(scenario)

@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from cbverify.upstream.findings import FAIL, FINDINGS, NA, SCRIPTS, Finding, expected_status
+from cbverify.upstream.steps import check_steps, record_run
 from cbverify.upstream.suite import DEFAULT_SCENARIOS, check_scenario, greedy_agreement, judge
 
 pytestmark = pytest.mark.upstream
@@ -33,11 +34,21 @@ def models(qwen2, llama) -> dict:
     return {"tiny-qwen2-random": qwen2, "tiny-llama-arith": llama}
 
 
-def _results(scenario, model_and_tokenizer):
-    key = (scenario, model_and_tokenizer[0].config.model_type)
+def _results(scenario, model_and_tokenizer, step_checks: bool = False):
+    """The upstream suite's checks on ``scenario``, or (``step_checks``) the optimizer-step checks of
+    ``cbverify.upstream.steps``."""
+    key = (scenario, model_and_tokenizer[0].config.model_type, step_checks)
     if key not in _RESULTS:
-        _RESULTS[key] = check_scenario(scenario, *model_and_tokenizer)
+        if step_checks:
+            record = record_run(scenario, *model_and_tokenizer)
+            _RESULTS[key] = check_steps(scenario, record, model_and_tokenizer[0])
+        else:
+            _RESULTS[key] = check_scenario(scenario, *model_and_tokenizer)
     return _RESULTS[key]
+
+
+def _finding_results(finding: Finding, models: dict):
+    return _results(finding.repro, models[finding.repro_model], step_checks=finding.step_checks)
 
 
 @pytest.mark.parametrize("scenario", DEFAULT_SCENARIOS, ids=[s.describe() for s in DEFAULT_SCENARIOS])
@@ -62,9 +73,8 @@ def test_the_invariant_behind_each_registered_finding_holds(finding: Finding, mo
         installed = versions()
         pytest.skip(f"{finding.id} concerns {finding.versions()}; installed transformers {installed['transformers']}, "
                     f"trl {installed['trl']}")  # fmt: skip
-    model, tokenizer = models[finding.repro_model]
-    arch = model.config.model_type
-    results = _results(finding.repro, (model, tokenizer))
+    arch = models[finding.repro_model][0].config.model_type
+    results = _finding_results(finding, models)
     covered = [r for r in results if finding.covers(r, finding.repro, arch) and r.status != NA]
     assert covered, f"{finding.id}: its repro scenario runs none of {finding.checks} (registry out of date)"
     failing = [r for r in covered if r.status == FAIL]
@@ -76,10 +86,10 @@ def test_the_invariant_behind_each_registered_finding_holds(finding: Finding, mo
 
 def test_every_failure_on_a_findings_repro_scenario_is_registered(models):
     for finding in FINDINGS:
-        model, tokenizer = models[finding.repro_model]
-        for result in _results(finding.repro, (model, tokenizer)):
+        model_type = models[finding.repro_model][0].config.model_type
+        for result in _finding_results(finding, models):
             if result.status == FAIL:
-                covered_by = expected_status(result, finding.repro, model.config.model_type)
+                covered_by = expected_status(result, finding.repro, model_type)
                 assert covered_by is not None, f"unregistered: {result.check}: {result.reason} [{result.scenario}]"
 
 

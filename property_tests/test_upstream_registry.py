@@ -12,6 +12,7 @@ from cbverify.cli import upstream
 from cbverify.upstream import matrix_checks as matrix
 from cbverify.upstream.findings import FAIL, FINDINGS, NA, PASS, SCRIPTS, CheckResult, by_id
 from cbverify.upstream.scenario import PATHS, TrainerScenario
+from cbverify.upstream.steps import CHECKS as STEP_CHECKS
 from cbverify.upstream.suite import CHECKS, DEFAULT_SCENARIOS, judge
 
 pytestmark = pytest.mark.upstream
@@ -21,7 +22,8 @@ def test_every_finding_names_known_checks_a_path_and_one_line_of_evidence():
     ids = [f.id for f in FINDINGS]
     assert len(ids) == len(set(ids)), "finding ids must be unique"
     for f in FINDINGS:
-        assert set(f.checks) <= set(CHECKS), f"{f.id}: unknown checks {set(f.checks) - set(CHECKS)}"
+        known = STEP_CHECKS if f.step_checks else CHECKS
+        assert set(f.checks) <= set(known), f"{f.id}: unknown checks {set(f.checks) - set(known)}"
         assert f.path in (*PATHS, "*"), f.id
         assert f.evidence and "\n" not in f.evidence and f.affected, f.id
         assert f.applies(f.repro), f"{f.id}: its own repro scenario does not meet its condition"

@@ -58,6 +58,7 @@ class Finding:
     transformers: str = ""  # PEP 440 specifier of the transformers versions it shows on ("" = every version seen)
     trl: str = ""  # PEP 440 specifier of the trl versions it shows on ("" = every version seen)
     script: str = ""  # a standalone repro in cbverify/upstream/repros/ (torch, transformers, trl, datasets): exits 1
+    step_checks: bool = False  # found by the optimizer-step checks (cbverify.upstream.steps), its repro run by them
 
     def covers(self, result: CheckResult, scenario, model_type: str) -> bool:
         arch_ok = not self.architectures or model_type in self.architectures
@@ -257,6 +258,43 @@ FINDINGS: tuple[Finding, ...] = (
         repro=TrainerScenario(path="generate", num_generations=3, reward="unscorable"),
         repro_model="tiny-llama-arith",
         script="unscorable_completion_scored_as_zero.py",
+    ),
+    Finding(
+        id="dapo-normaliser-is-not-the-accumulated-batch",
+        checks=("micro_losses_match_reference", "step_gradients_match_reference"),
+        path="*",
+        when="loss_type dapo or cispo with steps_per_generation != gradient_accumulation_steps, windows of unequal "
+        "active-token counts (the step checks of cbverify.upstream.steps)",
+        applies=lambda s: s.loss_type in ("dapo", "cispo") and s.spg != s.gradient_accumulation_steps,
+        affected="transformers 5.24.0 + trl 1.0.0 to 1.16.0 (the TRL matrix): every release; the form changed in 1.9",
+        evidence="GRPOConfig documents dapo/cispo as normalised by the active tokens of the global accumulated batch; "
+        "_compute_loss divides every micro-batch by num_items_in_batch, the generation batch's active tokens (up "
+        "to 1.8), times gradient_accumulation_steps / steps_per_generation from 1.9 (the mean window): a window "
+        "of 8 tokens in a generation batch of 10 split in 2 gets a token gradient of -A/5 (1.16) or -A/10 (1.8) "
+        "instead of -A/8; the trained Llama with spg=4, gas=2 and truncated rows masked: loss call 0.16227 vs "
+        "0.16498, step gradient off by 1.6% of its norm",
+        repro=TrainerScenario(
+            path="rollout_func",
+            rollout_backend="reference",
+            num_generations=2,
+            max_steps=1,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            steps_per_generation=4,
+            loss_type="dapo",
+            reward="length",
+            more_rewards=("digits",),
+            max_terms=2,
+            max_completion_length=16,
+            temperature=1.0,
+            seed=0,
+            max_grad_norm=0.0,
+            mask_truncated_completions=True,
+        ),
+        repro_model="tiny-llama-arith",
+        data_dependent=True,
+        script="dapo_normaliser_is_not_the_accumulated_batch.py",
+        step_checks=True,
     ),
     Finding(
         id="fused-lm-head-needs-triton",

@@ -8,7 +8,8 @@ Each step is this repository's own command run by the venv's interpreter; each g
    built (:func:`install_failed`; then nothing else runs in it);
 1. ``upstream``: ``python -m cbverify upstream --run --json`` (the trainer scenarios, judged against the registry);
 2. ``pytest``: the compatibility-layer tests (``property_tests/test_transformers_compat.py``,
-   ``test_trl_compat.py``), the reference-vs-TRL loss cross-check (``test_reference_vs_trl.py``), every upstream
+   ``test_trl_compat.py``), the reference-vs-TRL loss cross-check (``test_reference_vs_trl.py``), the trainer's
+   configuration space checked optimizer step by step (``test_trl_config_space.py``), every upstream
    finding's standalone script (exit 1 exactly inside its version ranges) and every registered fuzz finding's
    repro, strict both ways (inside its ``transformers`` range it must reproduce, outside it must not), read from a
    JUnit XML file;
@@ -35,6 +36,7 @@ PYTEST_TARGETS = (
     "property_tests/test_transformers_compat.py",
     "property_tests/test_trl_compat.py",
     "property_tests/test_reference_vs_trl.py",
+    "property_tests/test_trl_config_space.py",
     "property_tests/test_upstream_findings.py::test_every_repro_script_fails_exactly_inside_its_versions",
     "property_tests/test_fuzz.py::test_every_registered_fuzz_finding_still_reproduces",
 )

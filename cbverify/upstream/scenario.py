@@ -213,7 +213,10 @@ def _math_args(scenario: TrainerScenario) -> dict:
     lack it)."""
     args = dict(epsilon=scenario.epsilon, num_iterations=scenario.num_iterations,
                 scale_rewards=scenario.scale_rewards)  # fmt: skip
-    default_max = 3.0  # vllm_importance_sampling_clip_max's default
+    from cbverify.upstream import trl_compat
+
+    default_max = 3.0  # the upper IS bound's default (vllm_importance_sampling_clip_max, or _cap before trl 1.6)
+    is_bounds = trl_compat.is_bound_attributes(scenario.is_clip_min, scenario.is_clip_max)
     optional = dict(
         epsilon_high=scenario.epsilon_high,
         delta=scenario.delta,
@@ -221,8 +224,7 @@ def _math_args(scenario: TrainerScenario) -> dict:
         reward_weights=list(scenario.reward_weights) if scenario.reward_weights else None,
         mask_truncated_completions=scenario.mask_truncated_completions or None,
         top_entropy_quantile=None if scenario.top_entropy_quantile == 1.0 else scenario.top_entropy_quantile,
-        vllm_importance_sampling_clip_min=scenario.is_clip_min,
-        vllm_importance_sampling_clip_max=None if scenario.is_clip_max == default_max else scenario.is_clip_max,
+        **{name: None if value == default_max else value for name, value in is_bounds.items()},
     )
     return args | {k: v for k, v in optional.items() if v is not None}
 

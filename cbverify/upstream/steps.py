@@ -223,8 +223,9 @@ def _windows(scenario: TrainerScenario, record: Record) -> list[list[LossCall]]:
 
 
 def check_partition(scenario: TrainerScenario, record: Record, assigned: dict[int, list[int]]) -> CheckResult:
-    """Each pass over a generation batch uses each of its rows exactly once, in ``steps_per_generation`` micro-batches
-    of ``per_device_train_batch_size`` rows, each row carrying its own advantage."""
+    """Each of the ``num_iterations`` passes over a generation batch uses each of its rows exactly once, in
+    ``steps_per_generation`` micro-batches of ``per_device_train_batch_size`` rows, each row carrying its own
+    advantage; only the last generation batch may be cut short (``max_steps`` reached), its rows used evenly so far."""
     check = "micro_batches_partition_generation"
     passes: dict[int, list[int]] = {}
     for index, call in enumerate(record.losses):
@@ -236,11 +237,17 @@ def check_partition(scenario: TrainerScenario, record: Record, assigned: dict[in
             return _result(check, scenario, FAIL, f"loss call {index}: its rows carry advantages "
                            f"{call.advantages.tolist()}, scored as {want.tolist()}")  # fmt: skip
         passes.setdefault(call.generation, []).extend(assigned[index])
-    for g, rows in passes.items():
+    last = len(record.generations) - 1
+    for g in range(len(record.generations)):
+        rows = passes.get(g, [])
         size = len(record.generations[g].completion_ids)
-        counts = Counter(rows)
-        if set(counts) != set(range(size)) or len(set(counts.values())) != 1:
-            return _result(check, scenario, FAIL, f"generation batch {g}: rows used {dict(sorted(counts.items()))}")
+        full, extra = divmod(len(rows), size)  # whole passes, and rows of the pass training stopped in (last only)
+        counts = Counter({i: 0 for i in range(size)} | Counter(rows))
+        complete = full == scenario.num_iterations and extra == 0
+        if (set(counts) != set(range(size)) or sorted(counts.values()) != [full] * (size - extra) + [full + 1] * extra
+                or not (complete or (g == last and full + (extra > 0) <= scenario.num_iterations))):  # fmt: skip
+            return _result(check, scenario, FAIL, f"generation batch {g}: rows used {dict(sorted(counts.items()))} "
+                           f"({scenario.num_iterations} passes expected)")  # fmt: skip
     return _result(check, scenario, PASS, f"{len(record.losses)} micro-batches over {len(passes)} generation batches")
 
 
