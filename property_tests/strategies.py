@@ -278,13 +278,15 @@ def trainer_scenarios(
 
 
 @st.composite
-def trainer_configs(draw, *, loss_types: tuple[str, ...], max_steps: int = 3):
+def trainer_configs(draw, *, loss_types: tuple[str, ...], max_steps: int = 3, trainer: str = "grpo"):
     """A ``TrainerScenario`` for the step checks (``cbverify.upstream.steps``): GRPO on the oracle's ``rollout_func``
     with every ``GRPOConfig`` field that changes the math or its bookkeeping drawn: loss type, beta, clipping,
     importance-sampling level, iterations, generation and accumulation steps (equal and different), batch and group
     sizes, completion length with truncation masking (2-operand prompts: some completions end on EOS within the
     drawn length, some are cut), reward scaling, several reward functions (some returning ``None`` for some or all
-    rows) with weights, the entropy mask, gradient clipping and the IS-correction fields (inert without vLLM)."""
+    rows) with weights, the entropy mask, gradient clipping and the IS-correction fields (inert without vLLM).
+    ``trainer="rloo"``: the same for ``RLOOConfig`` (no loss type, reward scaling, delta, entropy mask or IS fields;
+    ``normalize_advantages`` and ``reward_clip_range`` instead)."""
     from math import gcd
 
     from cbverify.upstream.scenario import TrainerScenario
@@ -301,6 +303,20 @@ def trainer_configs(draw, *, loss_types: tuple[str, ...], max_steps: int = 3):
     weights = None
     if draw(st.booleans()):
         weights = tuple(draw(st.sampled_from([1.0, 0.5, 2.0, -1.0])) for _ in range(1 + len(more)))
+    if trainer == "rloo":
+        rloo_only = dict(normalize_advantages=draw(st.booleans()),
+                         reward_clip_range=draw(st.sampled_from([None, (-1.0, 0.5), (0.0, 2.0)])))  # fmt: skip
+        return TrainerScenario(
+            path="rollout_func", rollout_backend="reference", trainer="rloo", num_generations=num_generations,
+            per_device_train_batch_size=per_device, steps_per_generation=spg, gradient_accumulation_steps=gas,
+            num_iterations=num_iterations, max_steps=min(max_steps, steps_needed),
+            max_completion_length=draw(st.integers(11, 16)), mask_truncated_completions=draw(st.booleans()),
+            max_terms=2, temperature=draw(st.sampled_from([1.0, 1.5])), beta=draw(st.sampled_from([0.0, 0.0, 0.04])),
+            epsilon=draw(st.sampled_from([0.2, 0.05])), epsilon_high=draw(st.sampled_from([None, 0.28])),
+            reward=draw(st.sampled_from(["arithmetic", "length"])), more_rewards=tuple(more), reward_weights=weights,
+            max_grad_norm=draw(st.sampled_from([1.0, 0.0, 0.01])), seed=draw(st.integers(0, 2**16)), num_prompts=1,
+            **rloo_only,
+        )  # fmt: skip
     return TrainerScenario(
         path="rollout_func", rollout_backend="reference", trainer="grpo",
         num_generations=num_generations, per_device_train_batch_size=per_device, steps_per_generation=spg,

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from cbverify.tolerances import FLOAT64_ATOL, FLOAT64_CANCELLATION_ATOL, FLOAT64_RTOL
 from property_tests.strategies import grpo_batches, loss_configs
-from reference.advantages import compute_advantages
+from reference.advantages import compute_advantages, rloo_advantages
 from reference.loss import LossConfig, grpo_loss, importance_weights, k3_kl
 
 
@@ -118,6 +118,33 @@ def test_advantages_have_zero_mean_over_each_groups_scorable_rewards(batch, scal
         scorable = ~torch.isnan(rewards[start : start + n])
         assert (advantages[start : start + n][~scorable] == 0).all()  # unscorable completions are not pushed
         assert abs(float(advantages[start : start + n][scorable].sum())) < FLOAT64_RTOL
+
+
+@given(batch=grpo_batches())
+def test_rloo_advantages_are_the_scaled_group_deviation(batch):
+    """Leave-one-out over the ``k`` scorable members of a group is ``k / (k - 1) * (r - mean)`` (a closed form, not
+    the loop the reference runs); unscorable members and lone scorable ones get 0; normalising standardises the
+    non-zero-by-rule advantages over the batch."""
+    rewards, n = batch["rewards"], batch["num_generations"]
+    got = rloo_advantages(rewards, n)
+    for start in range(0, len(rewards), n):
+        group = rewards[start : start + n]
+        scorable = ~torch.isnan(group)
+        k = int(scorable.sum())
+        want = torch.zeros(n, dtype=torch.float64)
+        if k >= 2 and n > 1:
+            want[scorable] = k / (k - 1) * (group[scorable] - group[scorable].mean())
+        torch.testing.assert_close(got[start : start + n], want, rtol=FLOAT64_RTOL, atol=FLOAT64_CANCELLATION_ATOL)
+    defined = torch.tensor([not math.isnan(float(r)) for r in rewards])
+    for start in range(0, len(rewards), n):  # a member is defined when it and a sibling are scorable
+        if int(defined[start : start + n].sum()) < 2:
+            defined[start : start + n] = False
+    normalised = rloo_advantages(rewards, n, normalize=True)
+    assert (normalised[~defined] == 0).all()
+    if int(defined.sum()) >= 2:
+        kept = got[defined]
+        want = (kept - kept.mean()) / (kept.std() + 1e-4)
+        torch.testing.assert_close(normalised[defined], want, rtol=FLOAT64_RTOL, atol=FLOAT64_CANCELLATION_ATOL)
 
 
 @given(batch=grpo_batches(), scale=st.sampled_from(["group", "none"]), data=st.data())

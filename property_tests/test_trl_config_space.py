@@ -1,4 +1,4 @@
-"""TRL's ``GRPOTrainer`` over drawn configurations, every optimizer step recomputed by the oracle.
+"""TRL's ``GRPOTrainer`` and ``RLOOTrainer`` over drawn configurations, every optimizer step recomputed by the oracle.
 
 Each example trains the bundled arithmetic Llama for a few optimizer steps (past the first generation batch) with a
 drawn ``GRPOConfig`` (``strategies.trainer_configs``), rolling out with the oracle through ``rollout_func`` so the
@@ -47,12 +47,24 @@ BUDGET = settings(max_examples=EXAMPLES, suppress_health_check=[HealthCheck.too_
 @BUDGET
 @given(scenario=trainer_configs(loss_types=LOSS_TYPES))
 def test_every_optimizer_step_matches_the_reference(llama, scenario):
+    _assert_every_step_matches(llama, scenario)
+
+
+def _assert_every_step_matches(llama, scenario):
     model, tokenizer = llama
     results = check_steps(scenario, record_run(scenario, model, tokenizer), model)
     assert [r.check for r in results] == list(CHECKS), "every check reports, in order"
     judged = [(r, *judge(r, scenario, model.config.model_type)) for r in results]
     bad = [(r, label) for r, ok, label in judged if not ok]
     assert not bad, "\n".join([f"{label}: {r.check}: {r.reason}" for r, label in bad] + [repr(scenario)])
+
+
+@settings(BUDGET, max_examples=max(1, EXAMPLES // 2))
+@given(scenario=trainer_configs(loss_types=LOSS_TYPES, trainer="rloo"))
+def test_every_rloo_optimizer_step_matches_the_reference(llama, scenario):
+    """``RLOOTrainer`` (which takes no ``rollout_func``: the oracle replaces its ``_generate``) over drawn
+    ``RLOOConfig`` fields: leave-one-out advantages with the KL penalty in the reward, sequence-level clipping."""
+    _assert_every_step_matches(llama, scenario)
 
 
 def _run(scenario, llama):
@@ -180,25 +192,28 @@ def _scaled_backward(factor):
 
 
 @pytest.mark.parametrize(
-    "fault", [_scaled_loss(0.98), _scaled_backward(1.02)], ids=["loss x0.98", "backward x1.02"],
+    ("trainer", "fault"),
+    [("grpo", _scaled_loss(0.98)), ("grpo", _scaled_backward(1.02)), ("rloo", _scaled_loss(0.98))],
+    ids=["grpo loss x0.98", "grpo backward x1.02", "rloo loss x0.98"],
 )  # fmt: skip
-def test_the_gradient_check_catches_a_trainer_off_by_two_percent(llama, fault):
+def test_the_gradient_check_catches_a_trainer_off_by_two_percent(llama, trainer, fault):
     """The gradient tier's power in absolute terms, on a clean run that passes: a gradient 2% off, from inside the
     loss (a wrong normaliser; one token of a 50-token window dropped) or after it (a wrong accumulation scale), fails
     ``step_gradients_match_reference``. (On-policy loss *values* are ~0, GRPO advantages being centred: the gradient,
-    not the value, is what carries such a fault.) Measured here: clean |diff| / noise scale 1.7e-5, the net gradient
-    5.7x the scale, so 2% is ~110x the allowance of 1e-3."""
+    not the value, is what carries such a fault.) Measured here (GRPO): clean |diff| / noise scale 1.7e-5, the net
+    gradient 5.7x the scale, so 2% is ~110x the allowance of 1e-3."""
     scenario = TrainerScenario(path="rollout_func", rollout_backend="reference", num_generations=2, max_steps=1,
                                per_device_train_batch_size=4, loss_type="dapo", reward="arithmetic", max_terms=2,
-                               max_completion_length=16, temperature=1.5, max_grad_norm=0.0)  # fmt: skip
+                               max_completion_length=16, temperature=1.5, max_grad_norm=0.0,
+                               trainer=trainer)  # fmt: skip
 
     def verdict(prepare=None) -> str:
         results = check_steps(scenario, record_run(scenario, *llama, prepare=prepare), llama.model)
         return next(r.status for r in results if r.check == "step_gradients_match_reference")
 
-    if "clean" not in _CLEAN:
-        _CLEAN["clean"] = verdict()
-    assert _CLEAN["clean"] == "PASS"
+    if trainer not in _CLEAN:
+        _CLEAN[trainer] = verdict()
+    assert _CLEAN[trainer] == "PASS"
     assert verdict(fault) == "FAIL"
 
 

@@ -26,6 +26,11 @@ Several reward functions (:func:`combine_rewards`, TRL's default ``sum_then_norm
 weighted sum of the functions that scored it (a function returning ``None`` for a row is left out of that row's sum);
 a row that no function scored is unscorable (NaN), whatever the weights.
 
+RLOO (:func:`rloo_advantages`, TRL's ``RLOOTrainer``): a completion's advantage is its reward minus the mean reward
+of the *other* scorable completions of its group (the leave-one-out baseline), NaN when it is unscorable or has no
+scorable sibling; with ``normalize_advantages`` the advantages are then standardised over the batch's non-NaN ones
+(mean, Bessel-corrected std ``+ 1e-4``); every NaN becomes 0.
+
 Simplifications versus TRL: no ``normalize_then_sum`` aggregation; no multi-process gather/slice; float64 throughout.
 """
 
@@ -104,3 +109,25 @@ def combine_rewards(rewards_per_func: list[list[float | None]], weights: list[fl
         scored = [(w, column[b]) for w, column in zip(weights, rewards_per_func, strict=True) if column[b] is not None]
         out.append(sum(w * float(r) for w, r in scored) if scored else math.nan)
     return torch.tensor(out, dtype=torch.float64)  # (B,)
+
+
+def rloo_advantages(rewards: torch.Tensor, num_generations: int, normalize: bool = False) -> torch.Tensor:
+    """(B,) rewards -> (B,) float64 RLOO advantages (see the module docstring)."""
+    if not isinstance(num_generations, int) or num_generations < 1 or rewards.dim() != 1:
+        raise ValueError(
+            f"need (B,) rewards and num_generations >= 1, got {tuple(rewards.shape)}, {num_generations!r}"
+        )
+    if rewards.numel() % num_generations != 0:
+        raise ValueError(f"{rewards.numel()} rewards do not make groups of {num_generations}")
+    values = [float(r) for r in rewards.to(torch.float64)]
+    advantages: list[float] = []
+    for start in range(0, len(values), num_generations):
+        group = values[start : start + num_generations]
+        for i, reward in enumerate(group):
+            others = [v for j, v in enumerate(group) if j != i and not math.isnan(v)]
+            baseline = sum(others) / len(others) if others else math.nan
+            advantages.append(reward - baseline if num_generations > 1 else 0.0)
+    if normalize:
+        mean, std = nan_mean(advantages), nan_std(advantages)
+        advantages = [(a - mean) / (std + EPS) for a in advantages]
+    return torch.tensor([0.0 if math.isnan(a) else a for a in advantages], dtype=torch.float64)  # (B,)

@@ -22,6 +22,11 @@ computes, from the policy's parameters at the start of the step:
 The logged numbers (``entropy``, ``clip_ratio/*``, ``kl``) are each micro-batch's token-weighted mean, averaged over
 the window's micro-batches (what TRL logs per optimizer step; its documentation defines no other weighting).
 
+RLOO (:func:`rloo_window_objective`, TRL's ``RLOOTrainer``) has the same batching with its own objective: per
+micro-batch ``reference.loss.rloo_loss`` on each row's summed masked log-probs (current and generating policy), the
+window's objective the mean of its micro-batches' losses (the trainer divides each by the accumulation steps); the
+KL penalty sits in the reward (``sequence_kl``), so the objective has no KL term.
+
 Simplifications versus TRL: one process; no entropy bonus, off-policy mask or IS correction (the IS correction is
 TRL's only with vLLM); rows are given already assigned to micro-batches (which rows go together is TRL's shuffle,
 checked separately as a partition of the generation batch); float64 welcome.
@@ -35,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from reference.logprobs import per_token_entropies, per_token_logps
-from reference.loss import LossConfig, grpo_loss
+from reference.loss import LossConfig, grpo_loss, rloo_loss
 
 LOCAL_NORMALISED = ("grpo", "bnpo", "dr_grpo")
 WINDOW_NORMALISED = ("dapo", "cispo")
@@ -64,7 +69,7 @@ class StepConfig:
 @dataclass(frozen=True, slots=True)
 class StepOutput:
     objective: torch.Tensor  # () differentiable: the window's objective (its gradient is the optimizer's)
-    micro_losses: tuple[float, ...]  # each micro-batch's share of the objective (what TRL's loss call returns)
+    micro_losses: tuple[float, ...]  # what TRL's loss call returns per micro-batch (GRPO: its share of the objective)
     metrics: dict[str, float]  # entropy, clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean, kl
 
 
@@ -159,6 +164,57 @@ def window_objective(
         }
         if out.kl is not None:
             values["kl"] = out.kl
+        for name, value in values.items():
+            logged.setdefault(name, []).append(value)
+    metrics = {name: sum(v) / len(v) for name, v in logged.items()}
+    return StepOutput(objective=objective, micro_losses=tuple(micro_losses), metrics=metrics)
+
+
+def _entropy_mean(model, rows: Sequence[Row], masks: list[torch.Tensor], config: StepConfig) -> float:
+    with torch.no_grad():
+        entropies = per_token_entropies(model, [r.prompt_ids for r in rows], [r.completion_ids for r in rows],
+                                        config.temperature)  # fmt: skip
+    total = sum(float((e.double() * m).sum()) for e, m in zip(entropies, masks, strict=True))
+    return total / max(sum(float(m.sum()) for m in masks), 1.0)
+
+
+def sequence_logps(model, rows: Sequence[Row], masks: list[torch.Tensor], config: StepConfig, grad: bool = False):
+    """(B,) each row's completion log-prob under ``model``: the sum of its token log-probs where ``masks`` is 1."""
+    logps = per_token_logps(model, [r.prompt_ids for r in rows], [r.completion_ids for r in rows], config.temperature,
+                            grad=grad)  # fmt: skip
+    return torch.stack([(lp.double() * m).sum() for lp, m in zip(logps, masks, strict=True)])
+
+
+def sequence_kl(generating_model, ref_model, rows: Sequence[Row], config: StepConfig) -> torch.Tensor:
+    """(B,) RLOO's KL estimate per row: the first-order ``sum_t (logp_generating - logp_ref)`` over its masked tokens,
+    which ``RLOOTrainer`` subtracts (times ``beta``) from the reward."""
+    masks = completion_mask(rows, config)
+    with torch.no_grad():
+        return sequence_logps(generating_model, rows, masks, config) - sequence_logps(ref_model, rows, masks, config)
+
+
+def rloo_window_objective(
+    micro_batches: Sequence[Sequence[Row]], model, generating_models: dict[int, object], config: StepConfig
+) -> StepOutput:
+    """RLOO's objective of one optimizer step whose window is ``micro_batches`` (see the module docstring)."""
+    objective = torch.zeros((), dtype=torch.float64)
+    micro_losses, logged = [], {}
+    for rows in micro_batches:
+        masks = completion_mask(rows, config)
+        logps = sequence_logps(model, rows, masks, config, grad=True)
+        with torch.no_grad():
+            old = torch.stack([sequence_logps(generating_models[r.generation], [r], [m], config)[0]
+                               for r, m in zip(rows, masks, strict=True)])  # fmt: skip
+        advantages = torch.tensor([r.advantage for r in rows], dtype=torch.float64)
+        out = rloo_loss(logps, old, advantages, config.loss.epsilon_low, config.loss.epsilon_high)
+        objective = objective + out.loss / len(micro_batches)
+        micro_losses.append(float(out.loss.detach()))  # RLOO's loss call returns it whole; the Trainer divides
+        values = {
+            "entropy": _entropy_mean(model, rows, masks, config),
+            "clip_ratio/low_mean": out.clip_low_fraction,
+            "clip_ratio/high_mean": out.clip_high_fraction,
+            "clip_ratio/region_mean": out.clip_fraction,
+        }
         for name, value in values.items():
             logged.setdefault(name, []).append(value)
     metrics = {name: sum(v) / len(v) for name, v in logged.items()}

@@ -37,6 +37,9 @@ Normalisers (how the masked (B, T) ``loss_token`` becomes one number):
 With ``"sequence"`` level, the (B, 1) per-sequence term is broadcast over the sequence's tokens before the
 normaliser, as TRL does (so ``dapo``/``bnpo``/``luspo`` weight sequences by length).
 
+RLOO (:func:`rloo_loss`, TRL's ``RLOOTrainer``) clips whole sequences instead: one ratio per sequence from the
+summed log-probs, the loss the mean over sequences; its KL penalty is part of the reward, not of the loss.
+
 Simplifications versus TRL: no entropy bonus, no off-policy sequence mask, no ``sapo`` or ``vespo`` losses, no tool
 mask, no gradient-accumulation or multi-process scaling; float64 welcome.
 """
@@ -221,3 +224,22 @@ def grpo_loss(
         is_weights=is_weights,
         ratio=policy_ratio,
     )
+
+
+def rloo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, epsilon_low: float,
+              epsilon_high: float | None = None) -> LossOutput:  # fmt: skip
+    """TRL's ``RLOOTrainer`` objective: PPO clipping on whole sequences. ``logps`` / ``old_logps`` are (B,) sums of a
+    sequence's (masked) token log-probs, current (differentiable) and generating policy; ``ratio = exp(logps -
+    old_logps)``, the loss the mean over sequences of ``-min(ratio * A, clamp(ratio, 1 - eps_low, 1 + eps_high) *
+    A)``. Clip fractions count sequences (low: ratio below ``1 - eps_low`` with ``A < 0``; high: above ``1 +
+    eps_high`` with ``A > 0``)."""
+    high = epsilon_low if epsilon_high is None else epsilon_high
+    ratio = torch.exp(logps - old_logps)
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + high)
+    loss = (-torch.min(ratio * advantages, clipped * advantages)).mean()
+    with torch.no_grad():
+        low = ((ratio < 1 - epsilon_low) & (advantages < 0)).double()
+        up = ((ratio > 1 + high) & (advantages > 0)).double()
+    return LossOutput(loss=loss, clip_fraction=float((low + up).clamp(max=1).mean()),
+                      clip_low_fraction=float(low.mean()), clip_high_fraction=float(up.mean()), kl=None,
+                      is_weights=None, ratio=ratio.detach()[:, None])  # fmt: skip

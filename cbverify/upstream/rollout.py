@@ -39,3 +39,23 @@ def make_rollout_func(backend: str, model, tokenizer, base_seed: int = 0) -> Rol
     if backend == "reference":
         return make_cb_rollout_func(model=model, tokenizer=tokenizer, seed=base_seed, engine=OracleEngine(model))
     raise ValueError(f"unknown rollout backend {backend!r}; known: {', '.join(BACKENDS)}")
+
+
+def replace_generate(trainer, rollout: RolloutFunc) -> None:
+    """Make ``trainer`` (a trainer that takes no ``rollout_func``: ``RLOOTrainer``) generate with ``rollout``: its
+    ``_generate`` returns what ``rollout(prompts, trainer)`` completes, in the layout the installed TRL unpacks
+    (``cbverify.upstream.trl_compat``). TRL's completion-length metrics, which ``_generate`` also logs, are not."""
+    from cbverify.upstream import trl_compat
+
+    provided = ("prompt_ids_list", "completion_ids_list", "completions")
+    if missing := [name for name in trl_compat.generate_layout(type(trainer)) if name not in provided]:
+        raise trl_compat.MissingFeature(f"trl {trl_compat.VERSION}: {type(trainer).__name__}._generate also returns "
+                                        f"{', '.join(missing)}")  # fmt: skip
+
+    def generate(prompts):
+        out = rollout(prompts, trainer)
+        texts = trainer.processing_class.batch_decode(out["completion_ids"], skip_special_tokens=True)
+        return trl_compat.generate_output(type(trainer), prompt_ids_list=out["prompt_ids"],
+                                          completion_ids_list=out["completion_ids"], completions=texts)  # fmt: skip
+
+    trainer._generate = generate

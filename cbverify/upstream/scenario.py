@@ -72,6 +72,8 @@ class TrainerScenario:
     is_clip_min: float | None = None  # vllm_importance_sampling_clip_min (TRL applies IS correction with vLLM only)
     is_clip_max: float = 3.0
     max_terms: int = 3  # operands per arithmetic prompt: 2 gives answers short enough to end on EOS
+    normalize_advantages: bool = False  # RLOOConfig only
+    reward_clip_range: tuple[float, float] | None = None  # RLOOConfig only
 
     def __post_init__(self) -> None:
         checks = [
@@ -209,23 +211,29 @@ def _common_args(scenario: TrainerScenario, output_dir: str) -> dict:
 
 
 def _math_args(scenario: TrainerScenario) -> dict:
-    """The GRPO-only fields of the trainer's math; a field left at TRL's default is not passed (older releases may
+    """The trainer's math fields (GRPO's or RLOO's); a field left at TRL's default is not passed (older releases may
     lack it)."""
-    args = dict(epsilon=scenario.epsilon, num_iterations=scenario.num_iterations,
-                scale_rewards=scenario.scale_rewards)  # fmt: skip
     from cbverify.upstream import trl_compat
 
-    default_max = 3.0  # the upper IS bound's default (vllm_importance_sampling_clip_max, or _cap before trl 1.6)
-    is_bounds = trl_compat.is_bound_attributes(scenario.is_clip_min, scenario.is_clip_max)
+    args = dict(epsilon=scenario.epsilon, num_iterations=scenario.num_iterations)
     optional = dict(
         epsilon_high=scenario.epsilon_high,
-        delta=scenario.delta,
         steps_per_generation=scenario.steps_per_generation,
         reward_weights=list(scenario.reward_weights) if scenario.reward_weights else None,
         mask_truncated_completions=scenario.mask_truncated_completions or None,
-        top_entropy_quantile=None if scenario.top_entropy_quantile == 1.0 else scenario.top_entropy_quantile,
-        **{name: None if value == default_max else value for name, value in is_bounds.items()},
     )
+    if scenario.trainer == "rloo":
+        optional.update(normalize_advantages=scenario.normalize_advantages or None,
+                        reward_clip_range=scenario.reward_clip_range)  # fmt: skip
+    else:
+        default_max = 3.0  # the upper IS bound's default (vllm_importance_sampling_clip_max, or _cap before trl 1.6)
+        is_bounds = trl_compat.is_bound_attributes(scenario.is_clip_min, scenario.is_clip_max)
+        optional.update(
+            scale_rewards=scenario.scale_rewards,
+            delta=scenario.delta,
+            top_entropy_quantile=None if scenario.top_entropy_quantile == 1.0 else scenario.top_entropy_quantile,
+            **{name: None if value == default_max else value for name, value in is_bounds.items()},
+        )
     return args | {k: v for k, v in optional.items() if v is not None}
 
 
@@ -253,4 +261,4 @@ def build_trainer(scenario: TrainerScenario, model, tokenizer, rollout_func=None
         trl_compat.require_path("rloo", "rollout_func")
     from trl import RLOOTrainer
 
-    return RLOOTrainer(args=trl_compat.config("rloo", **args), **common)
+    return RLOOTrainer(args=trl_compat.config("rloo", **args, **_math_args(scenario)), **common)

@@ -1,7 +1,8 @@
 """A trainer configuration checked optimizer step by optimizer step.
 
-:func:`record_run` trains a copy of the model with TRL's real ``GRPOTrainer`` for a :class:`TrainerScenario`,
-rolling out with the oracle through ``rollout_func`` (deterministic: the same rows on every run), and records, on the
+:func:`record_run` trains a copy of the model with TRL's real ``GRPOTrainer`` or ``RLOOTrainer`` for a
+:class:`TrainerScenario`, rolling out with the oracle (deterministic: the same rows on every run; through
+``rollout_func`` for GRPO, in place of ``_generate`` for RLOO, which takes no ``rollout_func``), and records, on the
 trainer instance only (TRL is never edited):
 
 - every generation batch as scored (rows, TRL's per-function rewards and advantages) and the reward functions'
@@ -152,18 +153,22 @@ def record_run(scenario: TrainerScenario, model, tokenizer, prepare: Callable[[o
     """Train a float32 copy of ``model`` for ``scenario.max_steps`` optimizer steps on the ``rollout_func`` path (the
     oracle rolls out) and record every step (see the module docstring). A trainer error is kept in ``Record.error``.
     ``prepare(trainer)`` runs before the recorder is installed (the power tests inject faults with it)."""
-    from cbverify.upstream.rollout import make_rollout_func
+    from cbverify.upstream.rollout import make_rollout_func, replace_generate
     from cbverify.upstream.run import _quiet_loggers
 
-    if scenario.path != "rollout_func" or scenario.rollout_backend != "reference" or scenario.trainer != "grpo":
-        raise ValueError("step checks run GRPO on the rollout_func path with the reference backend")
+    if scenario.path != "rollout_func" or scenario.rollout_backend != "reference":
+        raise ValueError("step checks run on the rollout_func path with the reference backend")
     torch.manual_seed(scenario.seed)
     work = copy.deepcopy(model).float().train()
     record = Record()
     rollout_func = make_rollout_func("reference", work, tokenizer, base_seed=scenario.seed)
     with warnings.catch_warnings(), _quiet_loggers():
         warnings.simplefilter("ignore", FutureWarning)
-        trainer = build_trainer(scenario, work, tokenizer, rollout_func=rollout_func)
+        if scenario.trainer == "grpo":
+            trainer = build_trainer(scenario, work, tokenizer, rollout_func=rollout_func)
+        else:  # RLOOTrainer takes no rollout_func: the oracle replaces its _generate
+            trainer = build_trainer(scenario, work, tokenizer)
+            replace_generate(trainer, rollout_func)
         if prepare is not None:
             prepare(trainer)
         _install(trainer, record)
@@ -188,12 +193,40 @@ def reference_rewards(scenario: TrainerScenario, generation: Generation) -> list
     return [list(REWARDS[name](prompts=generation.prompts, **kwargs)) for name in scenario.reward_names]
 
 
-def reference_advantages(scenario: TrainerScenario, generation: Generation) -> torch.Tensor:
-    from reference.advantages import combine_rewards, compute_advantages
+def reference_rewards_total(scenario: TrainerScenario, generation: Generation, kl: torch.Tensor | None = None):
+    """(B,) each row's reward as the trainer's advantage sees it: the weighted functions (NaN: none scored the row),
+    clipped to ``reward_clip_range`` (RLOO), less ``beta * kl`` (RLOO's KL penalty, ``kl`` per row)."""
+    from reference.advantages import combine_rewards
 
     weights = list(scenario.reward_weights) if scenario.reward_weights else None
-    combined = combine_rewards(reference_rewards(scenario, generation), weights)
-    return compute_advantages(combined, scenario.num_generations, scenario.scale_rewards)
+    total = combine_rewards(reference_rewards(scenario, generation), weights)
+    if scenario.reward_clip_range is not None:
+        total = total.clamp(*scenario.reward_clip_range)  # NaN stays NaN
+    return total if kl is None else total - scenario.beta * kl
+
+
+def reference_advantages(scenario: TrainerScenario, generation: Generation, kl: torch.Tensor | None = None):
+    """(B,) the reference's advantages: GRPO's group-relative ones, or RLOO's leave-one-out ones."""
+    from reference.advantages import compute_advantages, rloo_advantages
+
+    total = reference_rewards_total(scenario, generation, kl)
+    if scenario.trainer == "rloo":
+        return rloo_advantages(total, scenario.num_generations, scenario.normalize_advantages)
+    return compute_advantages(total, scenario.num_generations, scenario.scale_rewards)
+
+
+def _rloo_kl(scenario: TrainerScenario, record: Record, model) -> list[torch.Tensor | None]:
+    """Per generation batch, RLOO's per-row KL penalty input (``None`` where there is none: GRPO, or ``beta == 0``)."""
+    if scenario.trainer != "rloo" or not scenario.beta:
+        return [None] * len(record.generations)
+    from reference.grpo_step import Row, sequence_kl
+
+    config, ref_model = _step_config(scenario, record.eos_token_ids), _model_at(model, record.steps[0].params)
+    out = []
+    for g, gen in enumerate(record.generations):
+        rows = [Row(p, c, 0.0, g) for p, c in zip(gen.prompt_ids, gen.completion_ids, strict=True)]
+        out.append(sequence_kl(_model_at(model, record.steps[gen.step].params), ref_model, rows, config))
+    return out
 
 
 def _assign(call: LossCall, generation: Generation, pad: int, uses: Counter) -> list[int] | str:
@@ -271,7 +304,7 @@ def check_steps(scenario: TrainerScenario, record: Record, model) -> list[CheckR
         return [_result(CHECKS[0], scenario, FAIL, reason)] + [_result(c, scenario, NA, "no run") for c in CHECKS[1:]]
     results = [_result(CHECKS[0], scenario, PASS, f"{len(record.steps)} optimizer steps")]
     results.append(_check_rewards(scenario, record))
-    results.extend(_check_advantages(scenario, record))
+    results.extend(_check_advantages(scenario, record, model))
     assigned = assignments(record)
     if isinstance(assigned, str):
         return results + [_result(c, scenario, FAIL, assigned) for c in CHECKS[len(results) :]]
@@ -292,36 +325,38 @@ def _check_rewards(scenario: TrainerScenario, record: Record) -> CheckResult:
     return _result(check, scenario, PASS, f"{len(record.generations)} generation batches")
 
 
-def _check_advantages(scenario: TrainerScenario, record: Record) -> list[CheckResult]:
+def _check_advantages(scenario: TrainerScenario, record: Record, model) -> list[CheckResult]:
     """Two checks, as for the scenario suite: rows of groups with reward variance match the reference's advantages;
-    rows of groups whose combined rewards are all equal (or all unscored) get exactly 0."""
-    from reference.advantages import combine_rewards
-
+    rows of groups whose rewards are all equal (or all unscored) get exactly 0 (not checked where RLOO normalises
+    advantages over the batch, which moves every advantage by the batch mean)."""
     names = ("advantages_match_reference", "zero_variance_groups_get_zero_advantage")
-    weights = list(scenario.reward_weights) if scenario.reward_weights else None
     n, worst, varied, flat, bad = scenario.num_generations, 0.0, 0, 0, []
-    for g, generation in enumerate(record.generations):
-        want, got = reference_advantages(scenario, generation), generation.advantages.double()
+    for g, (generation, kl) in enumerate(zip(record.generations, _rloo_kl(scenario, record, model), strict=True)):
+        want, got = reference_advantages(scenario, generation, kl), generation.advantages.double()
         if got.shape != want.shape:
             return [_result(c, scenario, FAIL, f"generation {g}: shape {tuple(got.shape)}") for c in names]
-        combined = combine_rewards(reference_rewards(scenario, generation), weights)
-        for start in range(0, len(combined), n):
-            rows, group = slice(start, start + n), combined[start : start + n]
+        total = reference_rewards_total(scenario, generation, kl)
+        for start in range(0, len(total), n):
+            rows, group = slice(start, start + n), total[start : start + n]
             kept = group[~group.isnan()]
             if kept.numel() == 0 or bool((kept == kept[0]).all()):
                 flat += n
                 if (got[rows] != 0).any():
                     bad.append(f"generation {g} rewards {group.tolist()} -> advantages {got[rows].tolist()}")
-                continue
+                if not scenario.normalize_advantages:
+                    continue
             varied += n
             if not torch.allclose(got[rows], want[rows], rtol=TRAINER_FP32.rtol, atol=TRAINER_FP32.atol):
                 reason = (f"generation {g}: advantages {got[rows].tolist()} != reference {want[rows].tolist()} "
-                          f"(scale_rewards={scenario.scale_rewards}, rewards {list(scenario.reward_names)}, "
-                          f"weights {scenario.reward_weights})")  # fmt: skip
+                          f"({scenario.trainer}, rewards {list(scenario.reward_names)}, weights "
+                          f"{scenario.reward_weights}, scale_rewards={scenario.scale_rewards}, normalize_advantages="
+                          f"{scenario.normalize_advantages}, beta={scenario.beta})")  # fmt: skip
                 return [_result(names[0], scenario, FAIL, reason), _result(names[1], scenario, NA, "not reached")]
             worst = max(worst, float((got[rows] - want[rows]).abs().max()))
     first = (_result(names[0], scenario, PASS, f"{varied} rows in varied groups, max |diff| {worst:.1e}") if varied
              else _result(names[0], scenario, NA, "every group had equal rewards"))  # fmt: skip
+    if scenario.normalize_advantages:
+        return [first, _result(names[1], scenario, NA, "normalize_advantages moves every advantage by the batch mean")]
     if not flat:
         return [first, _result(names[1], scenario, NA, "no group with equal rewards")]
     if bad:
@@ -380,15 +415,22 @@ def _norm(tensors: dict[str, torch.Tensor]) -> float:
     return math.sqrt(sum(float((t.double() ** 2).sum()) for t in tensors.values()))
 
 
-def _noise_scale(model, step: Step, rows, generating, config, ref_model) -> float:
+def _objective(scenario: TrainerScenario, rows, model, generating, config, ref_model):
+    """The reference's objective of one window: ``reference.grpo_step``'s GRPO or RLOO one."""
+    from reference.grpo_step import rloo_window_objective, window_objective
+
+    if scenario.trainer == "rloo":
+        return rloo_window_objective(rows, model, generating, config)
+    return window_objective(rows, model, generating, config, ref_model)
+
+
+def _noise_scale(scenario: TrainerScenario, model, step: Step, rows, generating, config, ref_model) -> float:
     """The norm of the step's gradient with every advantage made positive: the size of the row terms before they
     cancel. Rows with opposite advantages (e.g. equal completions scored differently) cancel in the gradient, but
     float32 rounding is relative to each term, so this, not the net gradient, sets the trainer's rounding noise."""
-    from reference.grpo_step import window_objective
-
     shadow = _model_at(model, step.params)
     positive = [[replace(r, advantage=abs(r.advantage)) for r in micro] for micro in rows]
-    window_objective(positive, shadow, generating, config, ref_model).objective.backward()
+    _objective(scenario, positive, shadow, generating, config, ref_model).objective.backward()
     return max(_norm({n: p.grad for n, p in shadow.named_parameters() if p.grad is not None}), 1e-30)
 
 
@@ -406,11 +448,9 @@ class StepReference:
 def reference_steps(scenario: TrainerScenario, record: Record, model, assigned: dict[int, list[int]]):
     """One :class:`StepReference` per optimizer step (``None`` for a step with no micro-batch or no gradient), the
     reference fed TRL's advantages (judged on their own by the advantage checks) so that it judges the step's math."""
-    from reference.grpo_step import window_objective
-
     config = _step_config(scenario, record.eos_token_ids)
     generating = {g: _model_at(model, record.steps[gen.step].params) for g, gen in enumerate(record.generations)}
-    ref_model = _model_at(model, record.steps[0].params) if scenario.beta else None
+    ref_model = _model_at(model, record.steps[0].params) if scenario.beta and scenario.trainer == "grpo" else None
     out = []
     for step, window in zip(record.steps, _windows(scenario, record), strict=True):
         if not window or step.grads is None:
@@ -418,12 +458,12 @@ def reference_steps(scenario: TrainerScenario, record: Record, model, assigned: 
             continue
         current = _model_at(model, step.params)
         rows = _window_rows(record, window, assigned)
-        objective = window_objective(rows, current, generating, config, ref_model)
+        objective = _objective(scenario, rows, current, generating, config, ref_model)
         objective.objective.backward()
         grads = {n: p.grad for n, p in current.named_parameters()}
         norm = _norm(grads)
         factor = _clip_factor(norm, scenario.max_grad_norm)
-        noise = _noise_scale(model, step, rows, generating, config, ref_model)
+        noise = _noise_scale(scenario, model, step, rows, generating, config, ref_model)
         out.append(StepReference(objective, {n: g * factor for n, g in grads.items()}, norm, noise * factor, noise))
     return out
 
