@@ -324,6 +324,7 @@ def trainer_configs(draw, *, loss_types: tuple[str, ...], max_steps: int = 3, tr
         max_completion_length=draw(st.integers(11, 16)), mask_truncated_completions=draw(st.booleans()), max_terms=2,
         temperature=draw(st.sampled_from([1.0, 1.5])), loss_type=loss_type,
         beta=draw(st.sampled_from([0.0, 0.0, 0.04])), epsilon=draw(st.sampled_from([0.2, 0.05])),
+        use_bias_correction_kl=draw(st.sampled_from([None, True, False])),
         epsilon_high=draw(st.sampled_from([None, 0.28, 1.02] if loss_type == "cispo" else [None, 0.28])),
         delta=draw(st.sampled_from([None, None, 1.1])),
         importance_sampling_level=draw(st.sampled_from(["token", "sequence"])),

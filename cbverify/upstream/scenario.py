@@ -72,6 +72,7 @@ class TrainerScenario:
     is_clip_min: float | None = None  # vllm_importance_sampling_clip_min (TRL applies IS correction with vLLM only)
     is_clip_max: float = 3.0
     max_terms: int = 3  # operands per arithmetic prompt: 2 gives answers short enough to end on EOS
+    use_bias_correction_kl: bool | None = None  # GRPO; None: the release's default (False before trl 1.10, then True)
     normalize_advantages: bool = False  # RLOOConfig only
     reward_clip_range: tuple[float, float] | None = None  # RLOOConfig only
 
@@ -231,6 +232,7 @@ def _math_args(scenario: TrainerScenario) -> dict:
         optional.update(
             scale_rewards=scenario.scale_rewards,
             delta=scenario.delta,
+            use_bias_correction_kl=scenario.use_bias_correction_kl,
             top_entropy_quantile=None if scenario.top_entropy_quantile == 1.0 else scenario.top_entropy_quantile,
             **{name: None if value == default_max else value for name, value in is_bounds.items()},
         )

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from cbverify.tolerances import TRAINER_FP32, TRAINER_FP32_PARAM_GRAD, TRAINER_METRIC
+from cbverify.upstream import trl_compat
 from cbverify.upstream.findings import FAIL, NA, PASS, CheckResult
 from cbverify.upstream.scenario import REWARDS, TrainerScenario, build_trainer
 
@@ -72,6 +73,7 @@ class Record:
     error: BaseException | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    use_bias_correction_kl: bool = True  # as the trainer ran (its default changed to True in trl 1.10)
 
 
 def _rows(ids: torch.Tensor, mask: torch.Tensor) -> list[tuple[int, ...]]:
@@ -145,7 +147,8 @@ def _install(trainer, record: Record) -> None:
     trainer._calculate_rewards, trainer._generate_and_score_completions = rewards, score
     trainer._compute_loss = loss
     trainer.add_callback(Recorder())
-    record.eos_token_ids = tuple(int(t) for t in getattr(trainer, "eos_token_ids", None) or [trainer.eos_token_id])
+    record.eos_token_ids = trl_compat.eos_token_ids(trainer)
+    record.use_bias_correction_kl = bool(getattr(trainer.args, "use_bias_correction_kl", False))
     record.pad_token_id = trainer.processing_class.pad_token_id
 
 
@@ -221,7 +224,10 @@ def _rloo_kl(scenario: TrainerScenario, record: Record, model) -> list[torch.Ten
         return [None] * len(record.generations)
     from reference.grpo_step import Row, sequence_kl
 
-    config, ref_model = _step_config(scenario, record.eos_token_ids), _model_at(model, record.steps[0].params)
+    config, ref_model = (
+        _step_config(scenario, record.eos_token_ids, record.use_bias_correction_kl),
+        _model_at(model, record.steps[0].params),
+    )
     out = []
     for g, gen in enumerate(record.generations):
         rows = [Row(p, c, 0.0, g) for p, c in zip(gen.prompt_ids, gen.completion_ids, strict=True)]
@@ -325,6 +331,27 @@ def _check_rewards(scenario: TrainerScenario, record: Record) -> CheckResult:
     return _result(check, scenario, PASS, f"{len(record.generations)} generation batches")
 
 
+def _advantage_scale(scenario: TrainerScenario, total: torch.Tensor, rows: slice) -> float:
+    """The size of an advantage's float32 rounding before cancellation: the group's largest reward over the
+    denominator that scales it (a reward near its group mean gets an advantage near 0, but float32 rounds the mean
+    relative to the rewards, so ``rtol`` applies to this, not to the advantage)."""
+    from reference.advantages import EPS, nan_std, rloo_advantages
+
+    group = total[rows]
+    finite = group[~group.isnan()]
+    if finite.numel() == 0:
+        return 0.0
+    if scenario.trainer == "rloo":
+        spread = nan_std(rloo_advantages(total, scenario.num_generations).tolist())
+        denominator = (spread + EPS) if scenario.normalize_advantages and not math.isnan(spread) else 1.0
+    elif scenario.scale_rewards == "none":
+        denominator = 1.0
+    else:
+        std = nan_std((group if scenario.scale_rewards == "group" else total).tolist())
+        denominator = std + EPS if not math.isnan(std) else 1.0
+    return float(finite.abs().max()) / denominator
+
+
 def _check_advantages(scenario: TrainerScenario, record: Record, model) -> list[CheckResult]:
     """Two checks, as for the scenario suite: rows of groups with reward variance match the reference's advantages;
     rows of groups whose rewards are all equal (or all unscored) get exactly 0 (not checked where RLOO normalises
@@ -346,7 +373,9 @@ def _check_advantages(scenario: TrainerScenario, record: Record, model) -> list[
                 if not scenario.normalize_advantages:
                     continue
             varied += n
-            if not torch.allclose(got[rows], want[rows], rtol=TRAINER_FP32.rtol, atol=TRAINER_FP32.atol):
+            allowed = TRAINER_FP32.atol + TRAINER_FP32.rtol * want[rows].abs().clamp(min=_advantage_scale(
+                scenario, total, rows))  # fmt: skip
+            if not bool(((got[rows] - want[rows]).abs() <= allowed).all()):
                 reason = (f"generation {g}: advantages {got[rows].tolist()} != reference {want[rows].tolist()} "
                           f"({scenario.trainer}, rewards {list(scenario.reward_names)}, weights "
                           f"{scenario.reward_weights}, scale_rewards={scenario.scale_rewards}, normalize_advantages="
@@ -372,12 +401,12 @@ def _model_at(template, params: dict[str, torch.Tensor]):
     return model
 
 
-def _step_config(scenario: TrainerScenario, eos: tuple[int, ...]):
+def _step_config(scenario: TrainerScenario, eos: tuple[int, ...], bias_correction_kl: bool = True):
     from reference.grpo_step import StepConfig
     from reference.loss import LossConfig
 
     loss = LossConfig(loss_type=scenario.loss_type, epsilon_low=scenario.epsilon, epsilon_high=scenario.epsilon_high,
-                      delta=scenario.delta, beta=scenario.beta,
+                      delta=scenario.delta, beta=scenario.beta, use_bias_correction_kl=bias_correction_kl,
                       importance_sampling_level=scenario.importance_sampling_level,
                       max_completion_length=scenario.max_completion_length)  # fmt: skip
     return StepConfig(loss=loss, temperature=scenario.temperature, eos_token_ids=eos,
@@ -448,7 +477,7 @@ class StepReference:
 def reference_steps(scenario: TrainerScenario, record: Record, model, assigned: dict[int, list[int]]):
     """One :class:`StepReference` per optimizer step (``None`` for a step with no micro-batch or no gradient), the
     reference fed TRL's advantages (judged on their own by the advantage checks) so that it judges the step's math."""
-    config = _step_config(scenario, record.eos_token_ids)
+    config = _step_config(scenario, record.eos_token_ids, record.use_bias_correction_kl)
     generating = {g: _model_at(model, record.steps[gen.step].params) for g, gen in enumerate(record.generations)}
     ref_model = _model_at(model, record.steps[0].params) if scenario.beta and scenario.trainer == "grpo" else None
     out = []

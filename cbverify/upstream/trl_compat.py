@@ -19,7 +19,9 @@ that changed between 1.0 and 1.16, read in each minor release's newest patch (``
   ``use_transformers_paged``, which takes no CB configuration (its defaults reserve GBs), so the ``cb`` path is not
   applicable there;
 - the IS-correction bounds: ``vllm_importance_sampling_cap`` (an upper bound) up to 1.5,
-  ``vllm_importance_sampling_clip_min`` / ``_clip_max`` from 1.6.
+  ``vllm_importance_sampling_clip_min`` / ``_clip_max`` from 1.6;
+- ``use_bias_correction_kl`` defaults to False up to 1.9, True from 1.10 (the step checks read what the trainer ran
+  with).
 
 Two behaviours changed without any name to detect them by, so they are told by the version (:func:`behaviour`):
 NaN sampler log-probs (tokens an engine could not score) get IS weight 1 from 1.11 (before, the NaN reaches the
