@@ -224,10 +224,8 @@ def _rloo_kl(scenario: TrainerScenario, record: Record, model) -> list[torch.Ten
         return [None] * len(record.generations)
     from reference.grpo_step import Row, sequence_kl
 
-    config, ref_model = (
-        _step_config(scenario, record.eos_token_ids, record.use_bias_correction_kl),
-        _model_at(model, record.steps[0].params),
-    )
+    config = _step_config(scenario, record.eos_token_ids)
+    ref_model = _model_at(model, record.steps[0].params)
     out = []
     for g, gen in enumerate(record.generations):
         rows = [Row(p, c, 0.0, g) for p, c in zip(gen.prompt_ids, gen.completion_ids, strict=True)]
