@@ -32,6 +32,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from cbverify.tolerances import TRAINER_FP32_PARAM_GRAD
+from cbverify.upstream.findings import FINDINGS
 from cbverify.upstream.scenario import TrainerScenario
 from cbverify.upstream.steps import CHECKS, assignments, check_steps, record_run, reference_steps
 from cbverify.upstream.suite import judge
@@ -41,6 +42,10 @@ pytestmark = pytest.mark.upstream
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 EXAMPLES = int(os.environ.get("CBVERIFY_TRL_EXAMPLES", "2"))  # `make fuzz-trl` raises it (with the example database)
+# a registered finding that crashes every trainer step on the installed release (trl 1.15 without Triton): the tests
+# that need a run to finish are skipped naming it; the step checks still run and judge the crash against it
+CRASH = next((f for f in FINDINGS if "step_run_completes" in f.checks and f.on_installed_version()), None)
+needs_training = pytest.mark.skipif(CRASH is not None, reason=f"every trainer step crashes: {CRASH and CRASH.id}")
 BUDGET = settings(max_examples=EXAMPLES, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
@@ -73,6 +78,7 @@ def _run(scenario, llama):
     return record
 
 
+@needs_training
 @settings(BUDGET, max_examples=max(1, EXAMPLES // 4))
 @given(scenario=trainer_configs(loss_types=LOSS_TYPES, max_steps=2))
 def test_settings_that_only_concern_vllm_change_nothing_without_it(llama, scenario):
@@ -107,6 +113,7 @@ def _evaluate(scenario, llama, dataset) -> dict[str, float]:
     return {k: v for k, v in metrics.items() if not k.endswith(timings)}
 
 
+@needs_training
 @settings(BUDGET, max_examples=max(1, EXAMPLES // 4))
 @given(scenario=trainer_configs(loss_types=LOSS_TYPES, max_steps=1))
 def test_settings_that_only_concern_training_do_not_change_what_evaluation_reports(llama, scenario):
@@ -125,6 +132,7 @@ def test_settings_that_only_concern_training_do_not_change_what_evaluation_repor
     assert _evaluate(scenario, llama, dataset) == _evaluate(other, llama, dataset), repr(scenario)
 
 
+@needs_training
 @settings(BUDGET, max_examples=max(1, EXAMPLES // 4))
 @given(
     scenario=trainer_configs(loss_types=LOSS_TYPES, max_steps=2), weights=st.sampled_from([(1.0, 1.0), (2.0, -0.5)])
@@ -146,6 +154,7 @@ def test_how_the_reward_is_written_down_changes_nothing(llama, scenario, weights
             assert {n: a.logs.get(n) for n in shared} == {n: b.logs.get(n) for n in shared}, f"{other}: step {k}"
 
 
+@needs_training
 @settings(BUDGET, max_examples=max(1, EXAMPLES // 4))
 @given(
     loss_type=st.sampled_from(["grpo", "dr_grpo", "dapo", "cispo"]),
@@ -191,6 +200,7 @@ def _scaled_backward(factor):
     return prepare
 
 
+@needs_training
 @pytest.mark.parametrize(
     ("trainer", "fault"),
     [("grpo", _scaled_loss(0.98)), ("grpo", _scaled_backward(1.02)), ("rloo", _scaled_loss(0.98))],

@@ -298,7 +298,7 @@ FINDINGS: tuple[Finding, ...] = (
     ),
     Finding(
         id="fused-lm-head-needs-triton",
-        checks=("run_completes", "mixed_precision_completes"),
+        checks=("run_completes", "mixed_precision_completes", "step_run_completes"),
         path="*",
         when="any trainer step, on a torch without Triton (the CPU wheels, as the pinned torch 2.13.0 here)",
         applies=lambda s: True,
