@@ -117,12 +117,31 @@ def boundary_tokens(logits: torch.Tensor, sampling: SamplingParams, noise: float
         logodds = lambda c: torch.log(c) - torch.log1p(-c.clamp(max=1 - 1e-12))  # noqa: E731
         cut = math.log(1 - sampling.top_p) - math.log(sampling.top_p)
         near = (logodds(lo.clamp(max=1)) - 2 * d <= cut) & (logodds(hi) + 2 * d > cut)
-        out |= near & torch.isfinite(scores) & (scores < scores.max())  # the top token is always kept
+        out |= near & torch.isfinite(scores)  # a top token too: noise may move another above it
         scores = apply_top_p(scores, sampling.top_p)
     if sampling.min_p > 0:
         rel = scores - scores.max()  # (V,)
-        out |= torch.isfinite(rel) & ((rel - math.log(sampling.min_p)).abs() <= 2 * d) & (rel < 0)
+        out |= torch.isfinite(rel) & ((rel - math.log(sampling.min_p)).abs() <= 2 * d)  # the top one too
     return out
+
+
+def cut_allowance(logits: torch.Tensor, sampling: SamplingParams, noise: float) -> float:
+    """How far a kept token's processed log-prob can move, beyond its full-support log-prob, when each logit moves by
+    <= ``noise`` and the processed support changes by any set of :func:`boundary_tokens`.
+
+    Top-k, top-p and min-p only mask: a kept token's processed log-prob is ``log p - log K`` (``p``: its probability
+    after temperature, ``K``: the kept mass). Boundary tokens of mass ``b_in`` (kept) and ``b_out`` (removed) can
+    move ``K`` anywhere in ``[K - b_in, K + b_out]``, so the processed log-prob by up to
+    ``max(-log(1 - b_in / K), log(1 + b_out / K))``. 0 on greedy rows and where no token is at a cut.
+    """
+    edge = boundary_tokens(logits, sampling, noise)  # (V,)
+    if not bool(edge.any()):
+        return 0.0
+    probs = torch.softmax(apply_temperature(logits.double(), sampling.temperature), dim=-1)  # (V,)
+    kept = torch.isfinite(process_logits(logits, sampling))  # (V,)
+    mass = float(probs[kept].sum())
+    b_in, b_out = float(probs[edge & kept].sum()), float(probs[edge & ~kept].sum())
+    return max(-math.log1p(-min(b_in / mass, 1 - 1e-12)), math.log1p(b_out / mass))
 
 
 def compare_tokens(

@@ -14,9 +14,10 @@ import torch
 
 from cbverify.golden import cases as golden_cases
 from cbverify.golden import env as golden_env
-from cbverify.golden.check import check_case, load_record
+from cbverify.golden.check import check_case, compare_series, load_record
 from cbverify.golden.measure_noise import perturb
 from cbverify.golden.record import RecordRefused, record
+from cbverify.tolerances import GOLDEN_LOGPROBS
 from reference.models import load
 
 pytestmark = pytest.mark.golden
@@ -80,15 +81,28 @@ def _top_p_then_top_k(logits: torch.Tensor, sampling) -> torch.Tensor:
     return torch.log_softmax(g.apply_min_p(scores, sampling.min_p), dim=-1)
 
 
-def test_check_catches_top_p_applied_before_top_k(monkeypatch):
+@pytest.mark.parametrize("name", ["tiny-qwen2-random.float32.sampled", "tiny-qwen2-random.bfloat16.sampled"])
+def test_check_catches_top_p_applied_before_top_k(monkeypatch, name):
     from reference import generate, logprobs
 
     monkeypatch.setattr(generate, "process_logits", _top_p_then_top_k)
     monkeypatch.setattr(logprobs, "process_logits", _top_p_then_top_k)
-    result = check_case(_case("tiny-qwen2-random.float32.sampled"), "cpu", engines=["reference"], trajectory=False)
+    result = check_case(_case(name), "cpu", engines=["reference"], trajectory=False)
     quantities = {f.quantity for f in result.failures}
     assert "teacher-forced processed_per_token_logps" in quantities, result.report()
     assert "teacher-forced per_token_logps" not in quantities, "full-support log-probs do not depend on processors"
+
+
+def test_a_processed_log_prob_out_of_bounds_is_left_out_only_within_its_processor_cut_allowance():
+    tolerance = GOLDEN_LOGPROBS["bfloat16"]
+    golden, shifted = [[-1.0, -2.0, -0.5]], [[-1.0, -2.0 + 0.5, -0.5]]
+    over = 0.5 - tolerance.bound(-2.0)  # what the shift exceeds the bound by
+    assert compare_series(golden, shifted, tolerance, ["r"], [[0.0, over, 0.0]]) is None
+    why = compare_series(golden, shifted, tolerance, ["r"], [[1.0, 0.99 * over, 1.0]])
+    assert why is not None and "request r position 1" in why
+    # inside the bound a position with an allowance still counts towards the mean drift
+    drift = [[g + 0.9 * tolerance.bound(g) for g in golden[0]]]
+    assert compare_series(golden, drift, tolerance, ["r"], [[1.0, 1.0, 1.0]]) is not None
 
 
 def test_a_record_that_no_longer_matches_its_case_definition_is_refused(tmp_path):

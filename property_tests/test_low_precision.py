@@ -5,11 +5,17 @@ outside it still fails. The faulty engines are caught in bf16 too (``test_meta_p
 
 from __future__ import annotations
 
+import math
+
+import hypothesis.extra.numpy as hnp
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cbverify import compare, report
-from cbverify.divergence import boundary_tokens
+from cbverify.divergence import boundary_tokens, cut_allowance
 from cbverify.engines.reference_engine import ReferenceEngine
 from cbverify.tolerances import tier_for
 from reference import logprobs as ref_logprobs
@@ -98,3 +104,29 @@ def test_the_divergence_report_gives_the_engine_token_rank_under_the_reference_n
     div = compare.compare_tokens(qwen2_bf16, request, reference, other, engine="e", tier=tier_for("bfloat16"))
     assert div.engine_rank == 3 and div.engine_score == pytest.approx(float(logits[third]))
     assert "engine token under the reference: rank 3" in div.describe() and "engine    top-5" not in div.describe()
+
+
+@settings(max_examples=1000)  # ~0.02 s an example; the corner cases are rare among random rows
+@given(
+    logits=hnp.arrays(np.float64, st.integers(2, 40), elements=st.floats(-4, 4)),
+    temperature=st.sampled_from([0.6, 1.0, 1.4]),
+    top_k=st.sampled_from([0, 1, 3, 10]),
+    top_p=st.sampled_from([1.0, 0.95, 0.8, 0.5]),
+    min_p=st.sampled_from([0.0, 0.05, 0.2]),
+    noise=st.floats(1e-3, 1.0),
+    seed=st.integers(0, 2**16),
+)
+def test_a_change_of_the_kept_set_within_the_noise_moves_the_kept_mass_by_at_most_the_cut_allowance(
+    logits, temperature, top_k, top_p, min_p, noise, seed
+):
+    """The golden check's exemption at a processor cut is exact: however each logit moves within ``noise``, the kept
+    set it leads to holds a mass (under the unmoved probabilities) within ``cut_allowance`` of the original's, in
+    log space (the processed log-prob of a kept token moves by that, beyond its full-support change)."""
+    row = torch.tensor(logits, dtype=torch.float32)  # (V,)
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, max_new_tokens=1)
+    # each logit at an end of its range (the worst cases lie on the corners): +-noise, signs drawn
+    moved = row + (torch.randint(0, 2, row.shape, generator=torch.Generator().manual_seed(seed)) * 2 - 1) * noise  # (V,)
+    probs = torch.softmax(row.double() / temperature, dim=-1)  # (V,)
+    kept, kept_moved = (torch.isfinite(process_logits(r, sampling)) for r in (row, moved))  # (V,) each
+    change = abs(math.log(float(probs[kept_moved].sum())) - math.log(float(probs[kept].sum())))
+    assert change <= cut_allowance(row, sampling, noise) + 1e-9
