@@ -125,7 +125,8 @@ def test_a_change_of_the_kept_set_within_the_noise_moves_the_kept_mass_by_at_mos
     row = torch.tensor(logits, dtype=torch.float32)  # (V,)
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, max_new_tokens=1)
     # each logit at an end of its range (the worst cases lie on the corners): +-noise, signs drawn
-    moved = row + (torch.randint(0, 2, row.shape, generator=torch.Generator().manual_seed(seed)) * 2 - 1) * noise  # (V,)
+    signs = torch.randint(0, 2, row.shape, generator=torch.Generator().manual_seed(seed)) * 2 - 1  # (V,)
+    moved = row + signs * noise  # (V,)
     probs = torch.softmax(row.double() / temperature, dim=-1)  # (V,)
     kept, kept_moved = (torch.isfinite(process_logits(r, sampling)) for r in (row, moved))  # (V,) each
     change = abs(math.log(float(probs[kept_moved].sum())) - math.log(float(probs[kept].sum())))
