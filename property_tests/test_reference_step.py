@@ -1,0 +1,167 @@
+"""The reference GRPO / RLOO optimizer step (``reference.grpo_step``) against closed forms of its definitions.
+
+The trainer configuration space (``test_trl_config_space.py``) holds this module to TRL step by step; these hold it to
+the policy-gradient theorem without TRL, in a second per example: on-policy (the generating parameters are the
+current ones, ``beta = 0``), every ratio is 1, so each token's loss is ``-A`` (CISPO: ``-A log p``) and the gradient
+is ``-sum_t w_t A_t grad log p_t``, with the normaliser ``w_t`` each loss type documents:
+
+- ``grpo``: ``1 / (|o_i| B)`` within its micro-batch; ``bnpo``: ``1 / (its micro-batch's tokens)``; ``dr_grpo``:
+  ``1 / (B * max_completion_length)``, each divided by the number of micro-batches in the window;
+- ``dapo``, ``cispo``: ``1 / (the window's tokens)``;
+- RLOO: ``1 / B`` per whole sequence, divided by the number of micro-batches.
+
+Masked tokens (``mask_truncated_completions``) carry no weight and count in no normaliser.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from reference.grpo_step import (
+    Row,
+    StepConfig,
+    completion_mask,
+    entropy_mask,
+    quantile,
+    rloo_window_objective,
+    window_objective,
+)
+from reference.logprobs import per_token_logps
+from reference.loss import LossConfig
+from reference.models import load
+
+EOS = 2
+MAX_LEN = 6
+
+
+@functools.cache
+def _model():
+    return load("tiny-llama-arith")[0].double()
+
+
+rows = st.builds(
+    lambda prompt, completion, eos, advantage: Row(tuple(prompt), tuple(completion) + ((EOS,) if eos else ()),
+                                                   advantage, 0),  # fmt: skip
+    st.lists(st.integers(3, 20), min_size=1, max_size=4),
+    st.lists(st.integers(3, 20), min_size=0, max_size=MAX_LEN - 1),
+    st.booleans(),
+    st.floats(-2, 2),
+).filter(lambda r: len(r.completion_ids) > 0)
+windows = st.lists(st.lists(rows, min_size=1, max_size=3), min_size=1, max_size=3)
+
+
+def _weights(micro_batches, masks, loss_type: str) -> list[list[torch.Tensor]]:
+    """Per micro-batch, per row, (L_i,) the weight of each token's ``-A log p`` in the window's objective."""
+    window_tokens = sum(float(m.sum()) for ms in masks for m in ms)
+    n_micro = len(micro_batches)
+    out = []
+    for batch, ms in zip(micro_batches, masks, strict=True):
+        b, tokens = len(batch), sum(float(m.sum()) for m in ms)
+        per = {
+            "grpo": lambda m: m / (len(m) * b * n_micro),
+            "bnpo": lambda m: m / (max(tokens, 1.0) * n_micro),  # noqa: B023
+            "dr_grpo": lambda m: m / (b * MAX_LEN * n_micro),  # noqa: B023
+            "dapo": lambda m: m / max(window_tokens, 1.0),
+            "cispo": lambda m: m / max(window_tokens, 1.0),
+        }[loss_type]
+        out.append([per(m) for m in ms])
+    return out
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo"])
+@given(
+    window=windows,
+    temperature=st.sampled_from([0.7, 1.0, 1.3]),
+    mask_truncated=st.booleans(),
+    epsilon_high=st.sampled_from([0.5, 5.0]),
+)
+def test_on_policy_the_step_is_the_policy_gradient_with_each_loss_types_normaliser(
+    loss_type, window, temperature, mask_truncated, epsilon_high
+):
+    model = _model()
+    loss = LossConfig(loss_type=loss_type, epsilon_high=epsilon_high, max_completion_length=MAX_LEN)
+    config = StepConfig(loss, temperature, (EOS,), mask_truncated_completions=mask_truncated)
+    # CISPO weighs each token by the ratio capped at epsilon_high (a bound on the ratio itself): min(1, eps) here
+    cap = min(1.0, epsilon_high) if loss_type == "cispo" else 1.0
+    model.zero_grad()
+    out = window_objective(window, model, {0: model}, config)
+    out.objective.backward()
+    got = [p.grad.clone() for p in model.parameters()]
+
+    masks = [completion_mask(batch, config) for batch in window]
+    weights = [[cap * w for w in ws] for ws in _weights(window, masks, loss_type)]
+    model.zero_grad()
+    surrogate, value = torch.zeros((), dtype=torch.float64), 0.0
+    for batch, ws in zip(window, weights, strict=True):
+        logps = per_token_logps(model, [r.prompt_ids for r in batch], [r.completion_ids for r in batch], temperature,
+                                grad=True)  # fmt: skip
+        for row, lp, w in zip(batch, logps, ws, strict=True):
+            surrogate = surrogate - row.advantage * (w * lp).sum()
+            value -= row.advantage * float((w * (lp.detach() if loss_type == "cispo" else 1.0)).sum())
+    surrogate.backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    assert abs(float(out.objective) - value) <= 1e-9 * max(1.0, abs(value))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-7, atol=1e-10)
+
+
+@given(window=windows, mask_truncated=st.booleans())
+def test_on_policy_the_rloo_step_is_the_sequence_policy_gradient(window, mask_truncated):
+    model = _model()
+    config = StepConfig(LossConfig(), 1.0, (EOS,), mask_truncated_completions=mask_truncated)
+    model.zero_grad()
+    out = rloo_window_objective(window, model, {0: model}, config)
+    out.objective.backward()
+    got = [p.grad.clone() for p in model.parameters()]
+
+    model.zero_grad()
+    surrogate, value = torch.zeros((), dtype=torch.float64), 0.0
+    for batch in window:
+        logps = per_token_logps(model, [r.prompt_ids for r in batch], [r.completion_ids for r in batch], 1.0,
+                                grad=True)  # fmt: skip
+        for row, lp, m in zip(batch, logps, completion_mask(batch, config), strict=True):
+            surrogate = surrogate - row.advantage * (m * lp).sum() / (len(batch) * len(window))
+            value -= row.advantage / (len(batch) * len(window))
+    surrogate.backward()
+    assert abs(float(out.objective) - value) <= 1e-9 * max(1.0, abs(value))
+    assert out.micro_losses == pytest.approx([-sum(r.advantage for r in b) / len(b) for b in window], abs=1e-9)
+    for g, w in zip(got, [p.grad for p in model.parameters()], strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-7, atol=1e-10)
+
+
+@given(values=st.lists(st.floats(-5, 5), min_size=1, max_size=30), q=st.floats(0, 1))
+def test_quantile_interpolates_linearly_as_torch_does(values, q):
+    t = torch.tensor(values, dtype=torch.float64)
+    assert quantile(t, q) == pytest.approx(float(torch.quantile(t, q)), abs=1e-12)
+
+
+@given(
+    entropies=st.lists(st.lists(st.floats(0, 3), min_size=1, max_size=5), min_size=1, max_size=4),
+    drop=st.lists(st.booleans(), min_size=20, max_size=20),
+    rho=st.floats(0.05, 0.95),
+)
+def test_the_entropy_mask_keeps_the_unmasked_tokens_at_or_above_the_quantile_of_the_unmasked(entropies, drop, rho):
+    es = [torch.tensor(e, dtype=torch.float64) for e in entropies]
+    masks = []
+    for i, e in enumerate(es):
+        masks.append(torch.tensor([0.0 if drop[(i * 5 + j) % 20] else 1.0 for j in range(len(e))], dtype=torch.float64))
+    unmasked = [float(x) for e, m in zip(es, masks, strict=True) for x, k in zip(e, m, strict=True) if k]
+    got = entropy_mask(es, masks, rho)
+    if not unmasked:
+        assert all(float(g.sum()) == 0 for g in got)
+        return
+    threshold = float(torch.quantile(torch.tensor(unmasked, dtype=torch.float64), 1 - rho))
+    for e, m, g in zip(es, masks, got, strict=True):
+        assert g.tolist() == [1.0 if k and float(x) >= threshold else 0.0 for x, k in zip(e, m, strict=True)]
+
+
+def test_a_truncated_completion_is_masked_only_when_asked():
+    batch = [Row((5,), (7, EOS), 1.0, 0), Row((5,), (7, 8), 1.0, 0), Row((5,), (EOS, 9), 1.0, 0)]
+    for flag, want in ((False, [[1, 1], [1, 1], [1, 1]]), (True, [[1, 1], [0, 0], [0, 0]])):
+        config = StepConfig(LossConfig(), 1.0, (EOS,), mask_truncated_completions=flag)
+        assert [m.tolist() for m in completion_mask(batch, config)] == want
