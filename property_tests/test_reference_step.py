@@ -45,8 +45,9 @@ def _model():
 
 
 rows = st.builds(
-    lambda prompt, completion, eos, advantage: Row(tuple(prompt), tuple(completion) + ((EOS,) if eos else ()),
-                                                   advantage, 0),  # fmt: skip
+    lambda prompt, completion, eos, advantage: Row(
+        tuple(prompt), tuple(completion) + ((EOS,) if eos else ()), advantage, 0
+    ),  # fmt: skip
     st.lists(st.integers(3, 20), min_size=1, max_size=4),
     st.lists(st.integers(3, 20), min_size=0, max_size=MAX_LEN - 1),
     st.booleans(),
@@ -62,14 +63,13 @@ def _weights(micro_batches, masks, loss_type: str) -> list[list[torch.Tensor]]:
     out = []
     for batch, ms in zip(micro_batches, masks, strict=True):
         b, tokens = len(batch), sum(float(m.sum()) for m in ms)
-        per = {
-            "grpo": lambda m: m / (len(m) * b * n_micro),
-            "bnpo": lambda m: m / (max(tokens, 1.0) * n_micro),  # noqa: B023
-            "dr_grpo": lambda m: m / (b * MAX_LEN * n_micro),  # noqa: B023
-            "dapo": lambda m: m / max(window_tokens, 1.0),
-            "cispo": lambda m: m / max(window_tokens, 1.0),
-        }[loss_type]
-        out.append([per(m) for m in ms])
+        if loss_type == "grpo":
+            out.append([m / (len(m) * b * n_micro) for m in ms])
+            continue
+        denominator = {"bnpo": max(tokens, 1.0) * n_micro, "dr_grpo": b * MAX_LEN * n_micro}.get(
+            loss_type, max(window_tokens, 1.0)
+        )
+        out.append([m / denominator for m in ms])
     return out
 
 
@@ -147,9 +147,8 @@ def test_quantile_interpolates_linearly_as_torch_does(values, q):
 )
 def test_the_entropy_mask_keeps_the_unmasked_tokens_at_or_above_the_quantile_of_the_unmasked(entropies, drop, rho):
     es = [torch.tensor(e, dtype=torch.float64) for e in entropies]
-    masks = []
-    for i, e in enumerate(es):
-        masks.append(torch.tensor([0.0 if drop[(i * 5 + j) % 20] else 1.0 for j in range(len(e))], dtype=torch.float64))
+    masks = [torch.tensor([0.0 if drop[(i * 5 + j) % 20] else 1.0 for j in range(len(e))], dtype=torch.float64)
+             for i, e in enumerate(es)]  # fmt: skip
     unmasked = [float(x) for e, m in zip(es, masks, strict=True) for x, k in zip(e, m, strict=True) if k]
     got = entropy_mask(es, masks, rho)
     if not unmasked:
