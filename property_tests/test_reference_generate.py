@@ -18,7 +18,7 @@ from cbverify.tolerances import FP32, SAME_LOGITS_ATOL, SELF_TEST_PVALUE, logpro
 from property_tests.strategies import rollout_requests, sampling_params
 from reference import tasks
 from reference.generate import choose_token, generate, next_token_logits, process_logits
-from reference.logprobs import processed_per_token_logps
+from reference.logprobs import per_token_entropies, processed_per_token_logps, top_logprobs
 from reference.spec import RolloutRequest, SamplingParams, gumbel_noise
 
 NEAR_TIE = FP32.near_tie_gap  # a greedy divergence is accepted only where the top-2 logit gap is this small
@@ -140,3 +140,31 @@ def test_top_k_keeps_every_token_tied_with_the_kth_score_as_transformers_does():
     theirs = TopKLogitsWarper(2)(None, logits[None, :])[0]
     assert torch.equal(torch.isfinite(ours), torch.isfinite(theirs))
     assert int(torch.isfinite(ours).sum()) == 4
+
+
+@given(
+    prompt=st.lists(st.integers(3, 25), min_size=1, max_size=6),
+    completion=st.lists(st.integers(0, 25), min_size=0, max_size=6),
+    temperature=st.sampled_from([0.5, 1.0, 1.7]),
+    k=st.integers(1, 6),
+    sampling=st.one_of(st.none(), sampling_params()),
+)
+def test_entropies_and_top_logprobs_follow_their_definitions(llama, prompt, completion, temperature, k, sampling):
+    """From the model's own forward over prompt + completion: the entropy of softmax(logits / T) (scipy's) at each
+    completion position, and the k largest (processed) log-probs with their token ids, descending."""
+    with torch.no_grad():
+        logits = llama.model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].double()  # (L, V)
+    (entropy,) = per_token_entropies(llama.model, [prompt], [completion], temperature)
+    want = [stats.entropy(torch.softmax(row / temperature, -1).numpy()) for row in logits]
+    np.testing.assert_allclose(entropy.double().numpy(), np.array(want).reshape(-1), rtol=1e-5, atol=1e-6)
+    values, ids = top_logprobs(llama.model, prompt, completion, k, sampling)
+    assert values.shape == ids.shape == (len(completion), k)
+    for row, got_values, got_ids in zip(logits, values, ids, strict=True):
+        scores = process_logits(row.float(), sampling) if sampling is not None else torch.log_softmax(row, -1)
+        order = np.argsort(-scores.double().numpy(), kind="stable")[:k]
+        np.testing.assert_allclose(got_values.double().numpy(), scores.double().numpy()[order], rtol=1e-5, atol=1e-6)
+        finite = np.isfinite(got_values.numpy())
+        # ties may list equal scores in either order: compare the scores the ids point at
+        np.testing.assert_allclose(
+            scores.double().numpy()[got_ids.numpy()][finite], got_values.double().numpy()[finite], rtol=1e-5, atol=1e-6
+        )

@@ -9,14 +9,15 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import pytest
 import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from cbverify.tolerances import FLOAT64_ATOL, FLOAT64_CANCELLATION_ATOL, FLOAT64_RTOL
 from property_tests.strategies import grpo_batches, loss_configs
-from reference.advantages import compute_advantages, rloo_advantages
-from reference.loss import LossConfig, grpo_loss, importance_weights, k3_kl
+from reference.advantages import combine_rewards, compute_advantages, rloo_advantages
+from reference.loss import LossConfig, grpo_loss, importance_weights, k3_kl, rloo_loss
 
 
 def _grad(batch: dict, advantages: torch.Tensor, config: LossConfig, *, old: torch.Tensor | None) -> torch.Tensor:
@@ -203,3 +204,63 @@ def test_normalisers_behave_as_documented(batch, config, junk):
                 for kind in ("grpo", "bnpo", "dapo")]  # fmt: skip
         torch.testing.assert_close(same[0], same[1], rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL)
         torch.testing.assert_close(same[1], same[2], rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL)
+
+
+@given(
+    rows=st.lists(
+        st.tuples(st.floats(-3, 3), st.floats(-3, 3), st.just(0.0) | st.floats(-2, 2)), min_size=1, max_size=8
+    ),
+    epsilon_low=st.floats(0.05, 0.5),
+    epsilon_high=st.one_of(st.none(), st.floats(0.05, 0.5)),
+)
+def test_rloo_loss_is_ppo_clipping_on_whole_sequences_by_definition(rows, epsilon_low, epsilon_high):
+    """Value, clip fractions and gradient of ``rloo_loss`` against a loop over sequences: the loss of sequence i is
+    ``-min(r A, clip(r) A)``; its gradient in ``logp_i`` is ``-r A / B`` where the unclipped term is the minimum,
+    0 where the clipped one is (strictly)."""
+    high = epsilon_low if epsilon_high is None else epsilon_high
+    logps = torch.tensor([r[0] for r in rows], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([r[1] for r in rows], dtype=torch.float64)
+    adv = torch.tensor([r[2] for r in rows], dtype=torch.float64)
+    out = rloo_loss(logps, old, adv, epsilon_low, epsilon_high)
+    (grad,) = torch.autograd.grad(out.loss, logps)
+    n, value, low, up = len(rows), 0.0, 0, 0
+    for i, (lp, o, a) in enumerate(rows):
+        ratio = math.exp(lp - o)
+        clipped = min(max(ratio, 1 - epsilon_low), 1 + high)
+        value += -min(ratio * a, clipped * a) / n
+        low += ratio < 1 - epsilon_low and a < 0
+        up += ratio > 1 + high and a > 0
+        want = -ratio * a / n if ratio * a < clipped * a else 0.0 if ratio * a > clipped * a else None
+        if want is not None:  # at a tie (unclipped inside the range, or A = 0) either branch's gradient is right
+            assert math.isclose(float(grad[i]), want, rel_tol=1e-9, abs_tol=1e-12), (i, float(grad[i]), want)
+    assert math.isclose(float(out.loss), value, rel_tol=1e-9, abs_tol=1e-12)
+    assert (out.clip_low_fraction, out.clip_high_fraction) == (low / n, up / n)
+    assert out.clip_fraction == (low + up) / n
+
+
+@given(
+    columns=st.integers(1, 3).flatmap(
+        lambda f: st.integers(1, 5).flatmap(
+            lambda b: st.lists(
+                st.lists(st.one_of(st.none(), st.floats(-3, 3)), min_size=b, max_size=b), min_size=f, max_size=f
+            )  # fmt: skip
+        )
+    ),
+    data=st.data(),
+)
+def test_combined_rewards_are_the_weighted_sum_of_the_functions_that_scored_each_row(columns, data):
+    weights = data.draw(st.one_of(st.none(), st.lists(st.floats(-2, 2), min_size=len(columns), max_size=len(columns))))
+    got = combine_rewards(columns, weights).tolist()
+    w = weights or [1.0] * len(columns)
+    for b, value in enumerate(got):
+        scored = [(w[f], col[b]) for f, col in enumerate(columns) if col[b] is not None]
+        if not scored:
+            assert math.isnan(value)
+        else:
+            assert math.isclose(value, sum(x * r for x, r in scored), rel_tol=1e-12, abs_tol=1e-12)
+    with pytest.raises(ValueError, match="weights for"):
+        combine_rewards(columns, [1.0] * (len(columns) + 1))
+    with pytest.raises(ValueError, match="different numbers of rows"):
+        combine_rewards([*columns, [0.0] * (len(columns[0]) + 1)])
+    with pytest.raises(ValueError, match="at least one"):
+        combine_rewards([])
