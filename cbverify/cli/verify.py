@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from cbverify import report
 from cbverify.checkpoint import Checkpoint, open_checkpoint
-from cbverify.engines import ENGINE_NAMES, NotApplicable, get_engine
+from cbverify.engines import ENGINE_NAMES, LOCAL_ENGINES, NotApplicable, get_engine
 from cbverify.grpo_config import RolloutConfig, load_rollout_config
 from cbverify.prompts import load_prompts
 from cbverify.tolerances import tier_for
@@ -42,8 +42,9 @@ DEFAULT_ENGINE_OPTIONS: dict[str, dict] = {
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="bundled model name or local checkpoint directory")
-    parser.add_argument("--engines", nargs="+", default=list(ENGINE_NAMES), choices=ENGINE_NAMES,
-                        help="engines to verify (the reference is always run as the oracle)")  # fmt: skip
+    parser.add_argument("--engines", nargs="+", default=list(LOCAL_ENGINES), choices=ENGINE_NAMES,
+                        help="engines to verify (the reference is always run as the oracle; default: all but vllm, "
+                        "which runs in its own environment: `cbverify env build vllm`, then add it here)")  # fmt: skip
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="model dtype; the tolerance tier follows it (cbverify.tolerances.tier_for)")  # fmt: skip
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="device to run every engine on")

@@ -12,7 +12,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from cbverify.engines import ENGINE_NAMES
+from cbverify.engines import ENGINE_NAMES, LOCAL_ENGINES
 from cbverify.zoo.architectures import ARCHS, by_name
 
 
@@ -20,8 +20,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", type=Path, default=None, help="write the coverage table (Markdown) here")
     parser.add_argument("--archs", nargs="+", default=[a.name for a in ARCHS], choices=[a.name for a in ARCHS],
                         help="architectures to run (default: the whole zoo)")  # fmt: skip
-    parser.add_argument("--engines", nargs="+", default=list(ENGINE_NAMES), choices=ENGINE_NAMES,
-                        help="engines to run on each architecture (default: all)")  # fmt: skip
+    parser.add_argument("--engines", nargs="+", default=list(LOCAL_ENGINES), choices=ENGINE_NAMES,
+                        help="engines to run on each architecture (default: all but those in an environment of "
+                        "their own, which start a worker per checkpoint)")  # fmt: skip
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="model dtype; the tier follows it (cbverify.tolerances.tier_for)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (tiny models: 1 is fastest)")

@@ -5,7 +5,9 @@ engine that cannot serve a request raises :class:`NotApplicable` naming the reas
 upstream failure (a request that comes back failed or missing) raises :class:`EngineError` (never an empty output).
 
 Engine names (used by the CLI, the tests, the benchmarks): ``reference``, ``cb_impl``, ``hf-generate``,
-``transformers-cb``. Get one with :func:`get_engine` ``(name, model, **options)``.
+``transformers-cb``, and ``vllm``, which runs in a venv of its own through a worker process
+(:mod:`cbverify.engines.remote`, :mod:`cbverify.engines.envs`). Get one with :func:`get_engine`
+``(name, model, **options)``.
 
 Cost of a call: after each ``generate`` the ``hf-generate``, ``transformers-cb`` and ``cb_impl`` adapters set
 ``engine.last_run`` (:class:`RunStats`): the generation window, time to first token, KV bytes reserved. Their
@@ -123,8 +125,12 @@ ENGINE_MODULES: dict[str, tuple[str, str]] = {
     "cb_impl": ("cbverify.engines.cb_impl_engine", "CbImplEngine"),
     "hf-generate": ("cbverify.engines.hf_generate", "HFGenerateEngine"),
     "transformers-cb": ("cbverify.engines.transformers_cb", "TransformersCBEngine"),
+    "vllm": ("cbverify.engines.remote", "vllm"),  # in its own venv: ``cbverify env build vllm``
 }
 ENGINE_NAMES: tuple[str, ...] = tuple(ENGINE_MODULES)
+# Engines served from an environment of their own (``cbverify.engines.envs``): each call starts a worker process.
+OWN_ENV_ENGINES: tuple[str, ...] = ("vllm",)
+LOCAL_ENGINES: tuple[str, ...] = tuple(n for n in ENGINE_NAMES if n not in OWN_ENV_ENGINES)
 
 
 def get_engine(name: str, model, **options) -> Engine:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cbverify import report
-from cbverify.engines import ENGINE_NAMES, NotApplicable, get_engine
+from cbverify.engines import LOCAL_ENGINES, NotApplicable, get_engine
 from cbverify.tolerances import tier_for
 from cbverify.zoo import architectures as zoo
 from cbverify.zoo.findings import architecture_finding
@@ -90,7 +90,7 @@ class _Replay:
 
 
 def run_architecture(
-    arch: zoo.Arch | str, directory: Path | str, engines=ENGINE_NAMES, dtype: str = "float32"
+    arch: zoo.Arch | str, directory: Path | str, engines=LOCAL_ENGINES, dtype: str = "float32"
 ) -> list[Cell]:
     """Build/load ``arch`` under ``directory`` (in ``dtype``) and judge every engine in ``engines`` on
     :func:`zoo_requests` in ``tier_for(dtype)``."""
@@ -119,7 +119,7 @@ def run_architecture(
 
 
 def run_matrix(
-    directory: Path | str, archs=zoo.ARCHS, engines=ENGINE_NAMES, progress: bool = False, dtype: str = "float32"
+    directory: Path | str, archs=zoo.ARCHS, engines=LOCAL_ENGINES, progress: bool = False, dtype: str = "float32"
 ) -> list[Cell]:
     """:func:`run_architecture` for each of ``archs``, in order (one line per architecture when ``progress``)."""
     cells = []
@@ -146,7 +146,7 @@ HEADER = (
 )
 
 
-def render_markdown(cells: list[Cell], engines=ENGINE_NAMES, dtype: str = "float32") -> str:
+def render_markdown(cells: list[Cell], engines=LOCAL_ENGINES, dtype: str = "float32") -> str:
     """The coverage table: architecture x engine (PASS / N/A reason / XFAIL(finding)), features, versions."""
     env = report.environment("cpu", dtype, "cbverify.zoo", tier_for(dtype))
     env = {k: v for k, v in env.items() if k not in ("model", "device", "dtype", "tier")}

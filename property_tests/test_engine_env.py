@@ -1,0 +1,95 @@
+"""Engines in a process (and a venv) of their own: the worker protocol loses nothing, a missing or stale environment
+is NOT-APPLICABLE with the command that builds it, a failing worker is an error naming the cause; and, marked ``vllm``
+(``make test-vllm``), vLLM itself through ``cbverify verify``: clean it passes, a faulty adapter turns its row FAIL."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+
+from cbverify import engines as engines_module
+from cbverify.cli import main
+from cbverify.engines import EngineError, NotApplicable, envs, get_engine
+from cbverify.engines.remote import RemoteEngine
+from property_tests.strategies import rollout_requests
+
+
+@pytest.fixture(scope="module")
+def remote_cb_impl(llama):
+    engine = RemoteEngine(llama.model, engine="cb_impl", env=None)
+    yield engine
+    engine.close()
+
+
+@settings(max_examples=10)
+@given(requests=rollout_requests(max_requests=4, group_size=(1, 2)))
+def test_an_engine_behind_the_worker_returns_exactly_what_it_returns_in_process(llama, remote_cb_impl, requests):
+    """Token ids, log-probs to the last bit (JSON carries the float's repr), finish reasons, order: lossless."""
+    assert remote_cb_impl.generate(requests) == get_engine("cb_impl", llama.model).generate(requests)
+    assert remote_cb_impl.capabilities == get_engine("cb_impl", llama.model).capabilities
+
+
+def test_a_missing_or_stale_environment_is_not_applicable_with_the_build_command(llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("CBVERIFY_ENGINE_ENVS", str(tmp_path))
+    with pytest.raises(NotApplicable, match="run `cbverify env build vllm`"):
+        get_engine("vllm", llama.model)
+    (tmp_path / "vllm" / "bin").mkdir(parents=True)
+    (tmp_path / "vllm" / "bin" / "python").write_text("")
+    (tmp_path / "vllm" / ".cbverify-stamp").write_text("built-from-other-pins")
+    assert "other constraints" in envs.problem("vllm") and "cbverify env build vllm" in envs.problem("vllm")
+
+
+def test_verify_reports_a_missing_environment_as_na_with_the_build_command(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CBVERIFY_ENGINE_ENVS", str(tmp_path))
+    argv = ["verify", "--engines", "vllm", "--num-prompts", "1", "--max-new-tokens", "4", "--dist-samples", "0",
+            "--json", str(tmp_path / "r.json")]  # fmt: skip
+    assert main(argv) == 1
+    assert main([*argv, "--allow-na"]) == 0
+    (row,) = json.loads((tmp_path / "r.json").read_text())["engines"]
+    assert row["status"] == "N/A" and "cbverify env build vllm" in " ".join(row["problems"])
+
+
+def test_a_worker_that_cannot_build_its_engine_is_an_error_naming_why(llama):
+    with pytest.raises(EngineError, match="ModuleNotFoundError"):
+        RemoteEngine(llama.model, engine="no_such_module:Engine", env=None)
+    with pytest.raises(EngineError, match="hosts no engine 'nope'"):
+        RemoteEngine(llama.model, engine="nope", env=None)
+
+
+needs_vllm = pytest.mark.skipif(envs.problem("vllm") is not None, reason=str(envs.problem("vllm")))
+
+
+def _verify(tmp_path, *extra: str) -> tuple[int, dict[str, dict]]:
+    code = main(["verify", "--engines", "vllm", "--num-prompts", "2", "--max-new-tokens", "12", "--dist-samples", "60",
+                 "--json", str(tmp_path / "r.json"), *extra])  # fmt: skip
+    return code, {r["engine"]: r for r in json.loads((tmp_path / "r.json").read_text())["engines"]}
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_vllm_passes_verify_in_processed_mode_and_in_raw_mode_declared_raw(tmp_path, monkeypatch):
+    code, rows = _verify(tmp_path)
+    assert code == 0 and rows["vllm"]["status"] == "PASS", rows
+    monkeypatch.setitem(engines_module.ENGINE_MODULES, "vllm", ("property_tests.test_engine_env", "_raw_vllm"))
+    code, rows = _verify(tmp_path)
+    assert code == 0 and rows["vllm"]["status"] == "PASS", rows
+
+
+def _raw_vllm(model, **options):
+    return RemoteEngine(model, engine="vllm", env="vllm", name="vllm", logprobs_mode="raw_logprobs", **options)
+
+
+def _faulty_vllm(model, **options):
+    return RemoteEngine(model, engine="property_tests.faulty_vllm:RawLogprobsDeclaredProcessed", env="vllm",
+                        name="vllm", **options)  # fmt: skip
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_verify_fails_a_vllm_adapter_that_returns_raw_log_probs_while_declaring_processed(tmp_path, monkeypatch):
+    monkeypatch.setitem(engines_module.ENGINE_MODULES, "vllm", ("property_tests.test_engine_env", "_faulty_vllm"))
+    code, rows = _verify(tmp_path)
+    assert code == 1 and rows["vllm"]["status"] == "FAIL", rows
+    assert any("log-prob" in p or "logprob" in p for p in rows["vllm"]["problems"]), rows["vllm"]["problems"]
