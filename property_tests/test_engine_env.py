@@ -5,6 +5,8 @@ is NOT-APPLICABLE with the command that builds it, a failing worker is an error 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 
 import pytest
 from hypothesis import given, settings
@@ -13,7 +15,10 @@ from cbverify import engines as engines_module
 from cbverify.cli import main
 from cbverify.engines import EngineError, NotApplicable, envs, get_engine
 from cbverify.engines.remote import RemoteEngine
+from cbverify.upstream.findings import ENV_FINDINGS, SCRIPTS
 from property_tests.strategies import rollout_requests
+
+needs_vllm = pytest.mark.skipif(envs.problem("vllm") is not None, reason=str(envs.problem("vllm")))
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +63,6 @@ def test_a_worker_that_cannot_build_its_engine_is_an_error_naming_why(llama):
         RemoteEngine(llama.model, engine="nope", env=None)
 
 
-needs_vllm = pytest.mark.skipif(envs.problem("vllm") is not None, reason=str(envs.problem("vllm")))
-
-
 def _verify(tmp_path, *extra: str) -> tuple[int, dict[str, dict]]:
     code = main(["verify", "--engines", "vllm", "--num-prompts", "2", "--max-new-tokens", "12", "--dist-samples", "60",
                  "--json", str(tmp_path / "r.json"), *extra])  # fmt: skip
@@ -93,3 +95,21 @@ def test_verify_fails_a_vllm_adapter_that_returns_raw_log_probs_while_declaring_
     code, rows = _verify(tmp_path)
     assert code == 1 and rows["vllm"]["status"] == "FAIL", rows
     assert any("log-prob" in p or "logprob" in p for p in rows["vllm"]["problems"]), rows["vllm"]["problems"]
+
+
+def test_every_environment_finding_names_its_environment_and_an_existing_script():
+    for finding in ENV_FINDINGS:
+        assert finding.env in envs.ENVS, finding.id
+        assert (SCRIPTS / finding.script).is_file(), f"{finding.id}: no script {finding.script}"
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("finding", [f for f in ENV_FINDINGS if f.env == "vllm"], ids=lambda f: f.id)
+@needs_vllm
+def test_every_vllm_environment_finding_still_reproduces(finding):
+    """Strict: the script exits 1 while the upstream behaviour stands; exit 0 means fixed: update the registry."""
+    proc = subprocess.run([str(envs.python("vllm")), str(SCRIPTS / finding.script)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+    last = ([ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()] or ["no output"])[-1]
+    assert "Traceback" not in proc.stderr, f"{finding.id}: the script crashed: {last}"
+    assert proc.returncode == 1, f"{finding.id}: exit {proc.returncode} (fixed upstream? update ENV_FINDINGS): {last}"

@@ -32,12 +32,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def findings_table() -> str:
-    from cbverify.upstream.findings import FINDINGS
+    from cbverify.upstream.findings import ENV_FINDINGS, FINDINGS
 
     lines = [f"{len(FINDINGS)} upstream findings (each asserted to still reproduce by the upstream tests):", ""]
     for f in FINDINGS:
         lines.append(f"[{f.id}]  path={f.path}  when: {f.when}")
         lines.append(f"    checks:   {', '.join(f.checks)}")
+        lines.append(f"    affected: {f.affected}")
+        lines += textwrap.wrap(f.evidence, 116, initial_indent="    evidence: ", subsequent_indent="              ")
+        lines.append("")
+    lines += [f"{len(ENV_FINDINGS)} in engine environments (each script asserted to reproduce by make test-vllm):", ""]
+    for f in ENV_FINDINGS:
+        lines.append(f"[{f.id}]  environment={f.env}  script: cbverify/upstream/repros/{f.script}")
         lines.append(f"    affected: {f.affected}")
         lines += textwrap.wrap(f.evidence, 116, initial_indent="    evidence: ", subsequent_indent="              ")
         lines.append("")
