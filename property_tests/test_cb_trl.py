@@ -12,6 +12,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from property_tests.helpers import assert_matches_reference
 from reference import tasks
@@ -87,3 +89,37 @@ def test_cb_rollout_func_trains_grpo_for_a_few_steps_with_one_live_engine(llama,
     assert inner.engine.stats["num_shared_prefills"] > 0, inner.engine.stats
     assert model.config._attn_implementation == original_attn
     assert not inner.engine.has_unfinished()
+
+
+@given(
+    temperature=st.floats(0.1, 2.0),
+    top_k=st.sampled_from([None, 0, 1, 7]),
+    top_p=st.sampled_from([None, 1.0, 0.9]),
+    min_p=st.sampled_from([None, 0.0, 0.05]),
+    do_sample=st.sampled_from([None, True, False]),
+    repetition_penalty=st.sampled_from([None, 1.0, 1.3]),
+    max_completion_length=st.integers(1, 64),
+)
+def test_the_rollout_func_reads_the_trainers_generation_options_as_grpo_trainer_documents_them(
+    temperature, top_k, top_p, min_p, do_sample, repetition_penalty, max_completion_length
+):
+    """None / 0 / 1.0 disable top-k, min-p and top-p; ``generation_config.do_sample=False`` is greedy (no
+    generation_config: sampling); a repetition penalty other than 1 is refused, by name."""
+    from types import SimpleNamespace
+
+    from cb_impl.trl import trainer_sampling
+    from reference.spec import SamplingParams
+
+    trainer = SimpleNamespace(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                              repetition_penalty=repetition_penalty,
+                              max_completion_length=max_completion_length)  # fmt: skip
+    if do_sample is not None:
+        trainer.generation_config = SimpleNamespace(do_sample=do_sample)
+    if repetition_penalty not in (None, 1.0):
+        with pytest.raises(ValueError, match=f"repetition_penalty={repetition_penalty}"):
+            trainer_sampling(trainer)
+        return
+    want = SamplingParams(temperature=0.0 if do_sample is False else temperature, top_k=top_k or 0,
+                          top_p=1.0 if top_p is None else top_p, min_p=min_p or 0.0,
+                          max_new_tokens=max_completion_length)  # fmt: skip
+    assert trainer_sampling(trainer) == want
