@@ -158,3 +158,21 @@ def test_cb_restores_training_mode_and_attention_even_for_a_training_model(llama
     finally:
         model.eval()
     assert torch.is_grad_enabled()
+
+
+def test_abort_all_drops_running_requests_frees_their_blocks_and_leaves_the_engine_reusable(llama):
+    engine = LLMEngine(llama.model, EngineConfig(num_blocks=32, block_size=4, max_batch_tokens=16))
+    sampling = SamplingParams(temperature=1.0, top_k=10, max_new_tokens=12)
+    prompt = (1, 6, 5, 16, 7, 5, 3)
+    for i in range(3):
+        engine.add_request(RolloutRequest(f"a{i}", prompt, sampling, seed=i, eos_token_ids=()))
+    with engine.runner.attached():
+        engine.step()
+        engine.step()
+    assert engine.has_unfinished() and engine.block_manager.num_free_blocks < 32
+    engine.abort_all()
+    assert not engine.has_unfinished()
+    assert engine.block_manager.num_free_blocks == 32, "aborted requests kept their KV blocks"
+    # the same request ids again: nothing of the aborted requests is left to collide with
+    fresh = [RolloutRequest(f"a{i}", prompt, sampling, seed=10 + i, eos_token_ids=(2,)) for i in range(3)]
+    assert engine.generate(fresh) == reference_generate(llama.model, fresh)

@@ -123,3 +123,39 @@ def test_the_rollout_func_reads_the_trainers_generation_options_as_grpo_trainer_
                           top_p=1.0 if top_p is None else top_p, min_p=min_p or 0.0,
                           max_new_tokens=max_completion_length)  # fmt: skip
     assert trainer_sampling(trainer) == want
+
+
+def test_the_rollout_func_uses_the_model_tokenizer_config_and_eos_list_it_is_given_over_the_trainers(llama):
+    """Explicit arguments win over the trainer's: a trainer whose model and tokenizer would raise if used, a config
+    that must reach the engine, and the trainer's full EOS list (several ids) on every request."""
+    from types import SimpleNamespace
+
+    from cb_impl.config import EngineConfig
+    from cb_impl.trl import make_rollout_func
+
+    class Untouchable:
+        def __getattr__(self, name):
+            raise AssertionError(f"the trainer's own {name!r} was used instead of the explicit argument")
+
+    class Recording:
+        def __init__(self, inner):
+            self.inner, self.requests = inner, []
+
+        def generate(self, requests):
+            self.requests += list(requests)
+            return self.inner.generate(requests)
+
+    trainer = SimpleNamespace(
+        temperature=1.0, top_k=0, top_p=1.0, min_p=None, repetition_penalty=1.0, max_completion_length=6,
+        eos_token_ids=[2, 5], state=SimpleNamespace(global_step=3), processing_class=Untouchable(),
+        model=Untouchable(), accelerator=SimpleNamespace(unwrap_model=lambda m: m),
+    )  # fmt: skip
+    config = EngineConfig(num_blocks=40, block_size=4)
+    rollout_func = make_rollout_func(llama.model, llama.tokenizer, config=config, seed=7)
+    out = rollout_func(["1+2=", "3+4="], trainer)
+    assert rollout_func.engine.config is config and rollout_func.engine.model is llama.model
+    assert [len(c) for c in out["completion_ids"]] and all(len(c) <= 6 for c in out["completion_ids"])
+    recording = Recording(rollout_func.engine)
+    out = make_rollout_func(llama.model, llama.tokenizer, engine=recording)(["1+2="], trainer)
+    assert [r.eos_token_ids for r in recording.requests] == [(2, 5)]
+    assert recording.requests[0].prompt_ids == tuple(llama.tokenizer("1+2=")["input_ids"])
