@@ -12,8 +12,9 @@ from pathlib import Path
 
 from cbverify.bench.grpo_step import PATHS
 from cbverify.bench.timed import ENGINES
+from cbverify.engines import OWN_ENV_ENGINES
 
-COLORS = {"hf-generate": "#1f77b4", "transformers-cb": "#ff7f0e", "cb_impl": "#2ca02c"}
+COLORS = {"hf-generate": "#1f77b4", "transformers-cb": "#ff7f0e", "cb_impl": "#2ca02c", "vllm": "#9467bd"}
 
 
 def env_line(env: dict) -> str:
@@ -54,13 +55,16 @@ def markdown(result: dict) -> str:
              ""]  # fmt: skip
     ratio = {(r["workload"], r["n"], r["engine"]): r for r in result["ratios"]}
     for workload in dict.fromkeys(c["workload"] for c in result["cases"]):
+        vllm = any(c["engine"] == "vllm" for c in result["cases"])
         lines += [f"## {workload}", "", "| N | engine | tok/s | wall s | TTFT s | KV MB | peak MB | waste "
-                  "| ovh ms/step | steps | x hf-generate | x tfm-CB | checks |", "|" + "---|" * 13]  # fmt: skip
+                  "| ovh ms/step | steps | x hf-generate | x tfm-CB |" + (" x vllm |" if vllm else "") + " checks |",
+                  "|" + "---|" * (14 if vllm else 13)]  # fmt: skip
         cases = sorted((c for c in result["cases"] if c["workload"] == workload),
                        key=lambda c: (c["n"], ENGINES.index(c["engine"])))  # fmt: skip
         for c in cases:
             if "error" in c:
-                lines.append(f"| {c['n']} | {c['engine']} | ERROR: {c['error'][:200]} |" + " |" * 10)
+                error = c["error"].splitlines()[0][:200].replace("|", "/")  # one table cell
+                lines.append(f"| {c['n']} | {c['engine']} | ERROR: {error} |" + " |" * 10)
                 continue
             r = ratio.get((workload, c["n"], c["engine"]), {})
             check = "; ".join(c["check_problems"]) or "ok"
@@ -73,9 +77,17 @@ def markdown(result: dict) -> str:
                 f"| {_fmt(kv, '.1f')} | {c['peak_memory_mb']:.0f} | {_fmt(c['wasted_share'], '.0%')} "
                 f"| {_fmt(c['overhead_per_step_ms'], '.1f')} | {c['steps']} "
                 f"| {_fmt(r.get('throughput_vs_hf-generate'))} "
-                f"| {_fmt(r.get('throughput_vs_transformers-cb'))} | {check} |"
+                f"| {_fmt(r.get('throughput_vs_transformers-cb'))} |"
+                + (f" {_fmt(r.get('throughput_vs_vllm'))} |" if vllm else "")
+                + f" {check} |"
             )
         lines.append("")
+    extras = {c["workload"]: c.get("extra") or {} for c in result["cases"] if c["engine"] in OWN_ENV_ENGINES}
+    startups = {w: e["startup_s"] for w, e in extras.items() if "startup_s" in e}
+    if startups:
+        lines += ["vLLM start-up (worker process, `LLM` construction, first forward; paid once per run, in no wall "
+                  "time above), per bench process: " + ", ".join(f"{w} {t:.1f} s" for w, t in startups.items()) + ".",
+                  ""]  # fmt: skip
     lines += ["## Targets (CPU, ratios from this run)", "", "| target | measured | met |", "|---|---|---|"]
     for t in result["targets"]:
         met = {True: "yes", False: "**no**", None: "n/a"}[t["met"]]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from cbverify.bench.timed import ENGINES
+from cbverify.bench.timed import DEFAULT_ENGINES, ENGINES
 from cbverify.bench.workloads import WORKLOADS, make_requests, make_workload
 
 NS = (8, 32, 64, 128)
@@ -37,7 +37,7 @@ class SuiteConfig:
     device: str = "cpu"
     workloads: tuple[str, ...] = WORKLOADS
     ns: tuple[int, ...] = NS
-    engines: tuple[str, ...] = ENGINES
+    engines: tuple[str, ...] = DEFAULT_ENGINES
     model: str = "random"
     dtype: str | None = None
     threads: int = 2

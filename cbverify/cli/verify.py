@@ -27,6 +27,7 @@ from cbverify.engines import ENGINE_NAMES, LOCAL_ENGINES, NotApplicable, get_eng
 from cbverify.grpo_config import RolloutConfig, load_rollout_config
 from cbverify.prompts import load_prompts
 from cbverify.tolerances import tier_for
+from cbverify.upstream.findings import env_finding
 from cbverify.workload import DEFAULT_GROUP_SIZE, Workload, build_workload
 from cbverify.zoo.findings import architecture_finding
 from reference.models import DEFAULT_MODEL
@@ -128,8 +129,8 @@ def run(args: argparse.Namespace) -> int:
             else:
                 row = _evaluate(name, model, requests, reference, tier, repro, dist, args.dist_samples)
             rows.append(row)
-            if name in PRESSURE_ENGINES and not args.no_pressure:
-                options, why = pressure_options(name, workload)
+            if name in PRESSURE_ENGINES and not args.no_pressure and row.status != "N/A":
+                options, why = pressure_options(name, workload, model)
                 row = _evaluate(name, model, requests, reference, tier, repro, (), 0, options)
                 row.engine, row.notes = f"{name}[pressure]", [why, *row.notes]
                 rows.append(row)
@@ -189,6 +190,10 @@ def _evaluate(name, model, requests, reference, tier, repro, dist, dist_samples,
             f"registered upstream finding {finding.id} (transformers {finding.transformers or 'every version seen'}): "
             f"{finding.evidence}"
         )
+    env_found = env_finding(name, row.problems) if row.status == "FAIL" else None
+    if env_found is not None:  # a registered failure of an engine in its own environment (versions: its pins)
+        row.status = f"XFAIL({env_found.id})"
+        row.notes.append(f"registered upstream finding {env_found.id} ({env_found.affected}): {env_found.evidence}")
     extra = engine.last_run.extra if getattr(engine, "last_run", None) else {}
     if extra.get("stats"):
         row.notes.append(", ".join(f"{extra['stats'].get(k, 0)} {label}" for k, label in CB_IMPL_EVENTS.items()))
@@ -197,7 +202,7 @@ def _evaluate(name, model, requests, reference, tier, repro, dist, dist_samples,
     return row
 
 
-PRESSURE_ENGINES = ("cb_impl", "transformers-cb")
+PRESSURE_ENGINES = ("cb_impl", "transformers-cb", "vllm")
 CB_IMPL_EVENTS = {
     "num_partial_prefills": "chunked prefills",
     "num_preemptions": "preemptions",
@@ -206,16 +211,29 @@ CB_IMPL_EVENTS = {
 }
 
 
-def pressure_options(name: str, workload: Workload) -> tuple[dict, str]:
+def kv_bytes_per_token(model) -> int:
+    """Keys and values of one token over every layer, in the model's dtype (a standard decoder's KV layout)."""
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    return 2 * c.num_hidden_layers * kv_heads * head_dim * next(model.parameters()).element_size()
+
+
+def pressure_options(name: str, workload: Workload, model) -> tuple[dict, str]:
     """The CB engine's options for a second run under pressure: KV blocks for the longest request alone (so the
     rest are preempted / evicted and recomputed) and a per-step token budget of half the longest prompt (so every
     long prompt is prefilled in chunks); and the sentence saying so."""
-    block = 16
+    block = 32 if name == "vllm" else 16  # vLLM-CPU's attention takes multiples of 32 only
     longest = max(len(r.prompt_ids) + r.sampling.max_new_tokens for r in workload.requests)
     needed = sum(-(-(len(r.prompt_ids) + r.sampling.max_new_tokens) // block) for r in workload.requests)
     blocks, budget = -(-longest // block) + 1, max(2, workload.longest_prompt // 2)
-    options = {"cb_impl": {"block_size": block}, "transformers-cb": {"page_size": block}}[name]
-    options |= {"num_blocks": blocks, "max_batch_tokens": budget}
+    if name == "vllm":  # the same budgets in vLLM's terms: KV bytes, its scheduler's token and sequence limits
+        options = {"block_size": block, "kv_cache_memory_bytes": blocks * block * kv_bytes_per_token(model),
+                   "max_num_batched_tokens": budget, "max_num_seqs": budget, "max_model_len": longest,
+                   "enable_chunked_prefill": True}  # fmt: skip
+    else:
+        options = {"cb_impl": {"block_size": block}, "transformers-cb": {"page_size": block}}[name]
+        options |= {"num_blocks": blocks, "max_batch_tokens": budget}
     why = (f"pressure: {blocks} KV blocks of {block} for a workload that needs up to {needed}; {budget} tokens per "
            f"step, longest prompt {workload.longest_prompt}")  # fmt: skip
     return options, why

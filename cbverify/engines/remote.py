@@ -8,13 +8,15 @@ oracle, the comparisons and the verdicts stay in this process; only ``generate``
 The checkpoint: the weights the caller holds in memory are what gets judged, so the model is written to a temporary
 folder with ``save_pretrained`` (a tiny checkpoint takes milliseconds) unless ``checkpoint=PATH`` names the folder it
 was loaded from unchanged (a large model: no copy). A missing or stale environment raises ``NotApplicable`` with the
-command that builds it; a worker that dies or answers an error raises ``EngineError`` with the end of its log.
+command that builds it; a worker that dies, answers an error or does not answer within ``timeout_s`` (then it is
+killed) raises ``EngineError`` with the end of its log.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 import tempfile
@@ -34,9 +36,17 @@ class RemoteEngine:
     """``engine`` served by a worker in environment ``env``; ``options`` go to the engine's constructor there."""
 
     def __init__(
-        self, model, *, engine: str, env: str | None, checkpoint: str | None = None, name: str | None = None, **options
+        self,
+        model,
+        *,
+        engine: str,
+        env: str | None,
+        checkpoint: str | None = None,
+        name: str | None = None,
+        timeout_s: float = 600.0,
+        **options,
     ) -> None:
-        self.name = name or engine
+        self.name, self.timeout_s = name or engine, timeout_s
         self._proc, self._tmp = None, None  # what close() releases, set before anything can fail
         if env is not None and (why := envs.problem(env)) is not None:
             raise NotApplicable(engine, why)
@@ -71,6 +81,12 @@ class RemoteEngine:
                               f"{self._log_tail()}")  # fmt: skip
         self._proc.stdin.write(json.dumps(message) + "\n")
         self._proc.stdin.flush()
+        ready, _, _ = select.select([self._proc.stdout], [], [], self.timeout_s)
+        if not ready:  # a hung engine is a failure with its log, never a hung suite
+            self._proc.kill()
+            self._proc.wait()
+            raise EngineError(f"{self.name}: no answer to {message['op']!r} within {self.timeout_s:.0f} s (worker "
+                              f"killed); its log ends:\n{self._log_tail()}")  # fmt: skip
         line = self._proc.stdout.readline()
         if not line:
             self._proc.wait()

