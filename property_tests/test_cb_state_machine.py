@@ -140,3 +140,23 @@ def print_tally():
     yield
     if TALLY:
         SUMMARY.append("scheduler state machine: " + ", ".join(f"{v} {k}" for k, v in sorted(TALLY.items())))
+
+
+def test_preempting_a_parent_mid_prefill_sends_its_group_back_in_order_and_frees_every_block():
+    """A GRPO group admitted together (one prefill, the others following it): preempting the parent while its shared
+    prefill is still in chunks puts parent and followers back at the head of the queue in arrival order, detached,
+    with every block free, and counts each preempted sequence."""
+    bm = BlockManager(8, 4)
+    sched = Scheduler(bm, max_batch_tokens=4, max_num_seqs=4, enable_prefix_sharing=True)
+    group = [Sequence(i, list(range(1, 11)), max_new_tokens=3, eos_token_ids=()) for i in range(3)]
+    later = Sequence(3, [5, 6], max_new_tokens=2, eos_token_ids=())
+    for seq in [*group, later]:
+        sched.add(seq)
+    batch = sched.schedule()
+    parent = group[0]
+    assert [s.seq_id for s, _ in batch.chunks] == [0] and parent.followers == group[1:], "not the state under test"
+    sched.preempt(parent)
+    assert [s.seq_id for s in sched.waiting] == [0, 1, 2, 3] and not sched.running
+    assert all(s.parent is None and not s.followers and s.status is SequenceStatus.WAITING for s in group)
+    assert bm.num_free_blocks == 8 and sched.num_preemptions == 3
+    bm.check_invariants(sched.running)
