@@ -10,6 +10,7 @@ import torch
 
 from cb_impl.config import EngineConfig
 from cb_impl.engine import EngineStepError, LLMEngine
+from property_tests.helpers import assert_matches_reference
 from reference.generate import generate as reference_generate
 from reference.spec import RolloutRequest, SamplingParams
 
@@ -176,3 +177,32 @@ def test_abort_all_drops_running_requests_frees_their_blocks_and_leaves_the_engi
     # the same request ids again: nothing of the aborted requests is left to collide with
     fresh = [RolloutRequest(f"a{i}", prompt, sampling, seed=10 + i, eos_token_ids=(2,)) for i in range(3)]
     assert engine.generate(fresh) == reference_generate(llama.model, fresh)
+
+
+def _tiny_llama(**overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         initializer_range=0.14, **overrides)  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def test_a_head_dim_other_than_hidden_over_heads_is_read_from_the_config_and_stays_exact():
+    """Qwen3 / Gemma style: ``head_dim`` (24) is not ``hidden_size / num_attention_heads`` (16); the cache and the
+    attention must use the configured one (the bundled models cannot tell the two apart)."""
+    model = _tiny_llama(head_dim=24)
+    requests = [RolloutRequest(f"r{i}", (1, 6, 5, 16, 7, 5, 3)[: 3 + i], SamplingParams(temperature=1.0, top_k=8,
+                max_new_tokens=6), seed=i, eos_token_ids=()) for i in range(3)]  # fmt: skip
+    engine = LLMEngine(model, EngineConfig(num_blocks=16, block_size=4))
+    assert_matches_reference(model, requests, engine.generate(requests), engine="cb_impl")
+
+
+def test_a_config_without_a_context_length_needs_max_model_len_and_says_which_fields_it_looked_for():
+    model = _tiny_llama()
+    object.__setattr__(model.config, "max_position_embeddings", None)  # past the config's own validation
+    with pytest.raises(ValueError, match="max_position_embeddings.*set max_model_len"):
+        LLMEngine(model, EngineConfig(num_blocks=16, block_size=4))
+    engine = LLMEngine(model, EngineConfig(num_blocks=16, block_size=4, max_model_len=32))
+    assert engine.runner.max_model_len == 32
