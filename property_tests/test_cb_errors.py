@@ -206,3 +206,27 @@ def test_a_config_without_a_context_length_needs_max_model_len_and_says_which_fi
         LLMEngine(model, EngineConfig(num_blocks=16, block_size=4))
     engine = LLMEngine(model, EngineConfig(num_blocks=16, block_size=4, max_model_len=32))
     assert engine.runner.max_model_len == 32
+
+
+def test_without_num_blocks_the_cache_takes_its_memory_fraction_capped_at_what_its_sequences_can_use(
+    llama, monkeypatch
+):
+    """The auto-sized cache (TRL's ``max_memory_percent`` path): blocks = fraction x free memory // block bytes,
+    never more than ``max_num_seqs`` sequences of ``max_model_len`` tokens need, and a fraction too small for one block
+    is refused by name. Free memory is pinned so the numbers are exact."""
+    import psutil
+
+    from cb_impl import kv_cache
+
+    cfg = llama.model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    block_bytes = 2 * cfg.num_hidden_layers * 4 * cfg.num_key_value_heads * head_dim * 4  # K and V, float32
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("VM", (), {"available": 1000 * block_bytes})())
+    by_memory = LLMEngine(llama.model, EngineConfig(block_size=4, max_memory_fraction=0.05, max_model_len=64))
+    assert by_memory.block_manager.num_blocks == 50
+    capped = LLMEngine(llama.model, EngineConfig(block_size=4, max_memory_fraction=0.9, max_num_seqs=3,
+                                                 max_model_len=64))  # fmt: skip
+    assert capped.block_manager.num_blocks == 3 * 16
+    with pytest.raises(ValueError, match="max_memory_fraction=0.0001 of free memory holds no KV-cache block"):
+        LLMEngine(llama.model, EngineConfig(block_size=4, max_memory_fraction=0.0001, max_model_len=64))
+    assert kv_cache.free_device_memory(torch.device("cpu")) == 1000 * block_bytes
