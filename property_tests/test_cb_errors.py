@@ -230,3 +230,17 @@ def test_without_num_blocks_the_cache_takes_its_memory_fraction_capped_at_what_i
     with pytest.raises(ValueError, match="max_memory_fraction=0.0001 of free memory holds no KV-cache block"):
         LLMEngine(llama.model, EngineConfig(block_size=4, max_memory_fraction=0.0001, max_model_len=64))
     assert kv_cache.free_device_memory(torch.device("cpu")) == 1000 * block_bytes
+
+
+@pytest.mark.parametrize(("prompt_len", "budget"), [(10, 4), (9, 3), (5, 8), (12, 1)])
+def test_the_event_counters_verify_reports_count_what_happened(llama, prompt_len, budget):
+    """One request alone, its prompt prefilled in chunks of ``budget`` tokens: ceil(P / B) - 1 of its prefill steps are
+    partial (what ``verify`` reports as chunked prefills), and each generate() adds its requests to the count."""
+    engine = LLMEngine(llama.model, EngineConfig(num_blocks=32, block_size=4, max_batch_tokens=budget))
+    prompt = tuple((1, 6, 5, 16, 7, 5, 3, 4, 8, 9, 10, 11)[:prompt_len])
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=2)
+    engine.generate([RolloutRequest("one", prompt, sampling, eos_token_ids=())])
+    assert engine.stats["num_partial_prefills"] == -(-prompt_len // budget) - 1
+    assert engine.stats["num_requests"] == 1
+    engine.generate([RolloutRequest(f"g{i}", prompt, sampling, eos_token_ids=()) for i in range(3)])
+    assert engine.stats["num_requests"] == 4
