@@ -227,6 +227,8 @@ def test_without_num_blocks_the_cache_takes_its_memory_fraction_capped_at_what_i
     capped = LLMEngine(llama.model, EngineConfig(block_size=4, max_memory_fraction=0.9, max_num_seqs=3,
                                                  max_model_len=64))  # fmt: skip
     assert capped.block_manager.num_blocks == 3 * 16
+    one = LLMEngine(llama.model, EngineConfig(block_size=4, max_memory_fraction=0.001, max_model_len=64))
+    assert one.block_manager.num_blocks == 1, "a fraction that holds exactly one block is enough"
     with pytest.raises(ValueError, match="max_memory_fraction=0.0001 of free memory holds no KV-cache block"):
         LLMEngine(llama.model, EngineConfig(block_size=4, max_memory_fraction=0.0001, max_model_len=64))
     assert kv_cache.free_device_memory(torch.device("cpu")) == 1000 * block_bytes

@@ -160,3 +160,23 @@ def test_preempting_a_parent_mid_prefill_sends_its_group_back_in_order_and_frees
     assert all(s.parent is None and not s.followers and s.status is SequenceStatus.WAITING for s in group)
     assert bm.num_free_blocks == 8 and sched.num_preemptions == 3
     bm.check_invariants(sched.running)
+
+
+def test_the_block_invariant_checker_accepts_shared_blocks_and_catches_a_wrong_refcount():
+    """The state machine's oracle must itself be able to fail: a prompt block shared by a group (refcount 2) is
+    consistent; the same state with its refcount put at 1, or a used block also on the free list, is not."""
+    bm = BlockManager(6, 4)
+    parent = Sequence(0, list(range(1, 9)), max_new_tokens=2, eos_token_ids=())
+    child = Sequence(1, list(range(1, 9)), max_new_tokens=2, eos_token_ids=())
+    bm.allocate(parent, parent.num_tokens)
+    bm.fork(parent, child)
+    shared = parent.block_table[0]
+    assert bm.ref_counts[shared] == 2
+    bm.check_invariants([parent, child])
+    bm.ref_counts[shared] = 1
+    with pytest.raises(AssertionError, match="refcount != uses"):
+        bm.check_invariants([parent, child])
+    bm.ref_counts[shared] = 2
+    bm.free_block_ids.append(shared)
+    with pytest.raises(AssertionError, match="free/used mismatch"):
+        bm.check_invariants([parent, child])
