@@ -1,9 +1,10 @@
 """Faulty adapters for the worker: one for the vLLM environment (it imports nothing but the adapter), one that hangs.
 
-``RawLogprobsDeclaredProcessed`` runs vLLM with its default ``logprobs_mode="raw_logprobs"`` (what TRL's vLLM path
-gets) while declaring ``processed`` semantics: the log-probs of every sampled request at a temperature other than 1
-or under a top-k / top-p / min-p cut are then off, which ``cbverify verify`` must turn into a FAIL row. ``Hangs`` never
-answers ``generate``; the client must kill it and say so.
+``RawLogprobsDeclaredProcessed`` runs vLLM with its default ``logprobs_mode="raw_logprobs"`` (a server started
+without ``--logprobs-mode processed_logprobs``, which TRL warns about) while declaring ``processed`` semantics: the
+log-probs of every sampled request at a temperature other than 1 or under a top-k / top-p / min-p cut are then off,
+which ``cbverify verify`` must turn into a FAIL row. ``Hangs`` never answers ``generate``; the client must kill it
+and say so.
 """
 
 from __future__ import annotations

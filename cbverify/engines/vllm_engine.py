@@ -11,7 +11,7 @@ only). Prompts go in as token ids (``skip_tokenizer_init``). Completions come ba
 
 Log-probs: vLLM's ``logprobs_mode`` decides what it returns. ``processed_logprobs`` (the default here) is the log-prob
 after temperature, min-p, top-k and top-p, i.e. the spec's ``processed`` semantics; ``raw_logprobs`` (vLLM's own
-default, what TRL's vLLM path gets) is ``log_softmax`` of the raw logits, the spec's ``raw``. The declared
+default; TRL 1.16 asks for processed) is ``log_softmax`` of the raw logits, the spec's ``raw``. The declared
 ``logprob_semantics`` follows the option, and the suite holds vLLM to the declaration. vLLM's processor order differs
 from the spec's (min-p before top-k / top-p): registered as ``vllm-min-p-before-top-p``, not adapted away here.
 
