@@ -5,6 +5,8 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 
+import pytest
+
 from cbverify.compare import check_conventions, check_results, compare_tokens
 from cbverify.tolerances import FP32, Tier
 from reference.generate import generate as reference_generate
@@ -65,3 +67,12 @@ def grpo_trainer_generation_config(config):
         train_dataset=Dataset.from_list([{"prompt": "Q:1+2\n"}] * 4), processing_class=tokenizer,
     )  # fmt: skip
     return trainer.generation_config
+
+
+def _vllm_problem() -> str | None:
+    from cbverify.engines import envs
+
+    return envs.problem("vllm")
+
+
+needs_vllm = pytest.mark.skipif(_vllm_problem() is not None, reason=str(_vllm_problem()))

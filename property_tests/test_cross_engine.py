@@ -12,19 +12,21 @@ import importlib
 from dataclasses import replace
 
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from cbverify import compare
 from cbverify.cli.verify import DEFAULT_ENGINE_OPTIONS
 from cbverify.engines import ENGINE_MODULES, get_engine
 from cbverify.tolerances import FP32, logprob_scale
-from property_tests.helpers import SUMMARY, assert_matches_reference
+from property_tests.helpers import SUMMARY, assert_matches_reference, needs_vllm
 from property_tests.strategies import rollout_requests
 from reference import tasks
 from reference.spec import RolloutRequest, SamplingParams
 
 ENGINES = ("cb_impl", "hf-generate", "transformers-cb")
+# vLLM runs in its own environment (``make test-vllm``): the same properties, marked and skipped without it
+WITH_VLLM = [*ENGINES, pytest.param("vllm", marks=(pytest.mark.vllm, needs_vllm))]
 SMALL = dict(max_requests=3, max_prompt_len=16, max_new_tokens=(1, 8))
 
 
@@ -33,12 +35,24 @@ def llama_model(llama):
     return llama.model
 
 
+class _Engines(dict):
+    """One engine per name, built on first use and reused for the module."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model = model
+
+    def __missing__(self, name: str):
+        self[name] = get_engine(name, self.model, **DEFAULT_ENGINE_OPTIONS.get(name, {}))
+        return self[name]
+
+
 @pytest.fixture(scope="module")
 def engines(llama_model):
-    return {name: get_engine(name, llama_model, **DEFAULT_ENGINE_OPTIONS.get(name, {})) for name in ENGINES}
+    return _Engines(llama_model)
 
 
-@pytest.mark.parametrize("name", ENGINES)
+@pytest.mark.parametrize("name", WITH_VLLM)
 @given(requests=rollout_requests(**SMALL, greedy=True))
 def test_greedy_tokens_match_the_reference_on_every_engine(name, engines, llama_model, requests):
     got = engines[name].generate(requests)
@@ -53,11 +67,15 @@ def test_sampled_tokens_equal_the_reference_where_both_follow_the_spec(name, eng
     assert_matches_reference(llama_model, requests, got, engine=name, logprobs=False, conventions=False)
 
 
-@pytest.mark.parametrize("name", ENGINES)
+@pytest.mark.parametrize("name", WITH_VLLM)
 @given(requests=rollout_requests(**SMALL))
 def test_returned_logprobs_agree_with_the_reference_teacher_forced_on_the_engines_own_tokens(
     name, engines, llama_model, requests
 ):
+    # vLLM applies min-p before top-p: the registered vllm-min-p-before-top-p, whose script holds it. This property
+    # found it on its own (shrunk to one token at T=1.5, top-p 0.95, min-p 0.05); other draws must still agree.
+    if name == "vllm":
+        assume(not any(r.sampling.top_p < 1 and r.sampling.min_p > 0 for r in requests))
     engine = engines[name]
     got = engine.generate(requests)
     expected = compare.teacher_forced_logprobs(llama_model, requests, got, engine.capabilities.logprob_semantics)
@@ -68,7 +86,7 @@ def test_returned_logprobs_agree_with_the_reference_teacher_forced_on_the_engine
     )
 
 
-@pytest.mark.parametrize("name", ENGINES)
+@pytest.mark.parametrize("name", WITH_VLLM)
 @given(requests=rollout_requests(**SMALL, group_size=(1, 3)))
 def test_results_are_complete_in_request_order_and_follow_the_eos_and_length_conventions(
     name, engines, llama_model, requests
@@ -116,7 +134,7 @@ def batch_invariance_report(engines):
                               seed=i, eos_token_ids=(tasks.EOS_ID,))
                for i, p in enumerate(tasks.make_problems(4, seed=7))]  # fmt: skip
     crowd = [replace(t, request_id=f"c{t.request_id}", prompt_ids=t.prompt_ids[:-2]) for t in targets]
-    for name in ENGINES:
+    for name in [n for n in (*ENGINES, "vllm") if n in engines]:  # the engines this session's tests used
         if name in CLAIMS_INVARIANCE:
             continue
         changed, worst = 0, 0.0

@@ -16,9 +16,8 @@ from cbverify.cli import main
 from cbverify.engines import EngineError, NotApplicable, envs, get_engine
 from cbverify.engines.remote import RemoteEngine
 from cbverify.upstream.findings import ENV_FINDINGS, SCRIPTS
+from property_tests.helpers import needs_vllm
 from property_tests.strategies import rollout_requests
-
-needs_vllm = pytest.mark.skipif(envs.problem("vllm") is not None, reason=str(envs.problem("vllm")))
 
 
 @pytest.fixture(scope="module")
