@@ -95,3 +95,20 @@ def test_cb_fast_noise_has_the_same_bits_as_the_reference_noise_over_the_whole_3
     assert torch.equal(fast_bits_to_gumbel(noise_bits(k, t)), bits_to_gumbel(noise_bits(k, t)))
     s, p = torch.tensor([seed, 0]), torch.tensor([position, 3])
     assert torch.equal(fast_gumbel_noise(s, p, vocab), gumbel_noise(s, p, vocab))
+
+
+def test_the_top_k_shortcut_is_taken_only_where_it_cannot_change_the_token():
+    """Rows with a tie at the k-th score, top-k off beside a top-k row, several rows at once: over many seeds the
+    candidate shortcut picks what the full-vocabulary Gumbel race picks (a shortcut taken at a tie, or for a row whose
+    top-k is off, would drop a token that wins for some seed)."""
+    logits = torch.tensor([[1.0, 1.0, 1.0, 0.0, -1.0], [2.0, 0.5, 0.4, 0.3, 0.2], [0.3, 0.2, 0.1, 0.0, -0.1]])
+    params = [SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0, top_k=0),
+              SamplingParams(temperature=1.0, top_k=3)]  # fmt: skip
+    for seed in range(60):
+        seeds, positions = [seed, seed + 1, seed + 2], [0, 3, 7]
+        b = build_sampling_batch(params, seeds, positions, logits.device)
+        processed, candidates, shortcut = process_logits(logits, b)
+        assert shortcut.tolist() == [False, False, True], "shortcut only for the untied top-k row"
+        fast = choose_tokens(processed, candidates, shortcut, b)
+        full = (processed.double() + gumbel_noise(torch.tensor(seeds), torch.tensor(positions), 5)).argmax(dim=-1)
+        assert torch.equal(fast, full), (seed, fast, full)
