@@ -44,3 +44,13 @@ class Hangs:
 
         while True:
             time.sleep(1)
+
+
+class IgnoresTemperature(VLLMEngine):
+    """Samples every sampled request at temperature 1 (log-probs stay consistent with what it sampled)."""
+
+    def sampling_params(self, request):
+        params = super().sampling_params(request)
+        if params.temperature > 0:
+            params.temperature = 1.0
+        return params

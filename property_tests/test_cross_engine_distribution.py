@@ -8,13 +8,17 @@ the union bound; the ``slow`` Hypothesis variant makes ``max_examples`` calls pe
 
 from __future__ import annotations
 
+import copy
+
 import pytest
+import torch
 from hypothesis import given, settings
 
 from cbverify.cli.verify import DEFAULT_ENGINE_OPTIONS
 from cbverify.distribution import distribution_test
 from cbverify.engines import get_engine
 from cbverify.tolerances import DISTRIBUTION_ALPHA
+from property_tests.helpers import needs_vllm
 from property_tests.strategies import sampling_params
 from reference import tasks
 from reference.spec import RolloutRequest, SamplingParams
@@ -56,3 +60,49 @@ def test_own_rng_engines_sample_from_the_reference_distribution_for_any_sampling
     requests = [RolloutRequest("d", PROMPTS[0], sampling, eos_token_ids=(tasks.EOS_ID,))]
     result = distribution_test(engine, models["qwen2"], requests, num_samples=300, min_count=50, alpha=ALPHA / 20)
     assert result.passed, result.describe()
+
+
+@pytest.fixture(scope="module")
+def flat_llama(llama):
+    """The bundled Llama's architecture with seeded random weights at init std 0.14: distributions flat enough for
+    the test to have power (the trained Llama puts ~all mass on one token at most nodes, so a wrong temperature or
+    processor would pass unseen), and a head size vLLM-CPU has kernels for (the random Qwen2's it has not)."""
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(llama.model.config)
+    config.initializer_range = 0.14
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(flat_llama):
+    engine = get_engine("vllm", flat_llama, seed=11)
+    yield engine
+    engine.close()
+
+
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_vllm_samples_from_the_reference_processed_distribution(scenario, flat_llama, vllm_engine):
+    """vLLM's own per-request generators against the reference's processed distribution (top-p and min-p are never
+    combined here: see vllm-min-p-before-top-p)."""
+    requests = [RolloutRequest(f"d{i}", prompt, SCENARIOS[scenario], eos_token_ids=(tasks.EOS_ID,))
+                for i, prompt in enumerate(PROMPTS)]  # fmt: skip
+    result = distribution_test(vllm_engine, flat_llama, requests, num_samples=200, min_count=50, alpha=ALPHA)
+    assert result.tests, "no node had enough samples: the test would be vacuous"
+    assert result.passed, result.describe()
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_the_distribution_test_catches_a_vllm_adapter_that_ignores_temperature(flat_llama):
+    from cbverify.engines.remote import RemoteEngine
+
+    engine = RemoteEngine(flat_llama, engine="property_tests.faulty_vllm:IgnoresTemperature", env="vllm", seed=11)
+    requests = [RolloutRequest(f"d{i}", prompt, SCENARIOS["T=1.5 min-p 0.05"], eos_token_ids=(tasks.EOS_ID,))
+                for i, prompt in enumerate(PROMPTS)]  # fmt: skip
+    result = distribution_test(engine, flat_llama, requests, num_samples=200, min_count=50, alpha=ALPHA)
+    engine.close()
+    assert result.tests and not result.passed, result.describe()
