@@ -2,13 +2,15 @@
 
 False-alarm budget: each call of ``distribution_test`` fails a correct engine with probability <= ALPHA (Holm over
 all its node tests). The default run makes 2 engines x 3 scenarios = 6 calls, so its false-alarm rate is <= 6e-3 by
-the union bound; the ``slow`` Hypothesis variant makes ``max_examples`` calls per engine at ALPHA / max_examples each
-(Bonferroni across examples), so it keeps the same <= 1e-3 per engine. Engines are seeded, so a run is reproducible.
+the union bound (the power meta-tests add 2 calls of a faulty engine, which must be rejected); the ``slow``
+Hypothesis variant makes ``max_examples`` calls per engine at ALPHA / max_examples each (Bonferroni across
+examples), so it keeps the same <= 1e-3 per engine. Engines are seeded, so a run is reproducible.
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -35,14 +37,39 @@ SCENARIOS = {
 
 @pytest.fixture(scope="module")
 def models(llama, qwen2):
-    """Both bundled models: the trained Llama has peaked distributions, the random Qwen2 near-uniform ones."""
+    """The random Qwen2 (flat distributions: every node has several tokens with mass) and the trained Llama (peaked:
+    most nodes are one token, so a sampler fault there would pass; only the vLLM tests use its architecture, with
+    random weights)."""
     return {"llama": llama.model, "qwen2": qwen2.model}
+
+
+class _OwnRNGIgnoringTemperature:
+    """A correct own-RNG engine (``faulty.OwnRNG``) that samples at T=1 whatever is asked."""
+
+    def __init__(self, model) -> None:
+        from property_tests.faulty import OwnRNG
+
+        self.inner = OwnRNG(model, seed=11)
+        self.name, self.capabilities = "ignores-temperature", self.inner.capabilities
+
+    def generate(self, requests):
+        fixed = [replace(r, sampling=replace(r.sampling, temperature=1.0)) for r in requests]
+        return self.inner.generate(fixed)
+
+
+@pytest.mark.parametrize("scenario", [s for s in SCENARIOS if s != "T=1"])  # at T=1 ignoring it is no fault
+def test_each_scenario_has_the_power_to_catch_a_sampler_that_ignores_temperature(scenario, models):
+    requests = [RolloutRequest(f"d{i}", prompt, SCENARIOS[scenario], eos_token_ids=(tasks.EOS_ID,))
+                for i, prompt in enumerate(PROMPTS)]  # fmt: skip
+    engine = _OwnRNGIgnoringTemperature(models["qwen2"])
+    result = distribution_test(engine, models["qwen2"], requests, num_samples=200, min_count=50, alpha=ALPHA)
+    assert result.tests and not result.passed, result.describe()
 
 
 @pytest.mark.parametrize("name", RNG_ENGINES)
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_own_rng_engines_sample_from_the_reference_processed_distribution(name, scenario, models):
-    model = models["qwen2"] if "top-k" in scenario else models["llama"]
+    model = models["qwen2"]  # flat: on the trained Llama most nodes hold one token, and a wrong sampler passes
     engine = get_engine(name, model, **DEFAULT_ENGINE_OPTIONS.get(name, {}), seed=11)
     requests = [RolloutRequest(f"d{i}", prompt, SCENARIOS[scenario], eos_token_ids=(tasks.EOS_ID,))
                 for i, prompt in enumerate(PROMPTS)]  # fmt: skip
