@@ -35,6 +35,11 @@ SCENARIOS = {
 }
 
 
+def _requests(scenario: str) -> list[RolloutRequest]:
+    return [RolloutRequest(f"d{i}", prompt, SCENARIOS[scenario], eos_token_ids=(tasks.EOS_ID,))
+            for i, prompt in enumerate(PROMPTS)]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def models(llama, qwen2):
     """The random Qwen2 (flat distributions: every node has several tokens with mass) and the trained Llama (peaked:
@@ -59,8 +64,7 @@ class _OwnRNGIgnoringTemperature:
 
 @pytest.mark.parametrize("scenario", [s for s in SCENARIOS if s != "T=1"])  # at T=1 ignoring it is no fault
 def test_each_scenario_has_the_power_to_catch_a_sampler_that_ignores_temperature(scenario, models):
-    requests = [RolloutRequest(f"d{i}", prompt, SCENARIOS[scenario], eos_token_ids=(tasks.EOS_ID,))
-                for i, prompt in enumerate(PROMPTS)]  # fmt: skip
+    requests = _requests(scenario)
     engine = _OwnRNGIgnoringTemperature(models["qwen2"])
     result = distribution_test(engine, models["qwen2"], requests, num_samples=200, min_count=50, alpha=ALPHA)
     assert result.tests and not result.passed, result.describe()
@@ -71,8 +75,7 @@ def test_each_scenario_has_the_power_to_catch_a_sampler_that_ignores_temperature
 def test_own_rng_engines_sample_from_the_reference_processed_distribution(name, scenario, models):
     model = models["qwen2"]  # flat: on the trained Llama most nodes hold one token, and a wrong sampler passes
     engine = get_engine(name, model, **DEFAULT_ENGINE_OPTIONS.get(name, {}), seed=11)
-    requests = [RolloutRequest(f"d{i}", prompt, SCENARIOS[scenario], eos_token_ids=(tasks.EOS_ID,))
-                for i, prompt in enumerate(PROMPTS)]  # fmt: skip
+    requests = _requests(scenario)
     result = distribution_test(engine, model, requests, num_samples=200, min_count=50, alpha=ALPHA)
     assert result.tests, "no node had enough samples: the test would be vacuous"
     assert result.passed, result.describe()
@@ -115,8 +118,7 @@ def vllm_engine(flat_llama):
 def test_vllm_samples_from_the_reference_processed_distribution(scenario, flat_llama, vllm_engine):
     """vLLM's own per-request generators against the reference's processed distribution (top-p and min-p are never
     combined here: see vllm-min-p-before-top-p)."""
-    requests = [RolloutRequest(f"d{i}", prompt, SCENARIOS[scenario], eos_token_ids=(tasks.EOS_ID,))
-                for i, prompt in enumerate(PROMPTS)]  # fmt: skip
+    requests = _requests(scenario)
     result = distribution_test(vllm_engine, flat_llama, requests, num_samples=200, min_count=50, alpha=ALPHA)
     assert result.tests, "no node had enough samples: the test would be vacuous"
     assert result.passed, result.describe()
@@ -128,8 +130,7 @@ def test_the_distribution_test_catches_a_vllm_adapter_that_ignores_temperature(f
     from cbverify.engines.remote import RemoteEngine
 
     engine = RemoteEngine(flat_llama, engine="property_tests.faulty_vllm:IgnoresTemperature", env="vllm", seed=11)
-    requests = [RolloutRequest(f"d{i}", prompt, SCENARIOS["T=1.5 min-p 0.05"], eos_token_ids=(tasks.EOS_ID,))
-                for i, prompt in enumerate(PROMPTS)]  # fmt: skip
+    requests = _requests("T=1.5 min-p 0.05")
     result = distribution_test(engine, flat_llama, requests, num_samples=200, min_count=50, alpha=ALPHA)
     engine.close()
     assert result.tests and not result.passed, result.describe()

@@ -15,7 +15,8 @@ from cbverify import engines as engines_module
 from cbverify.cli import main
 from cbverify.engines import EngineError, NotApplicable, envs, get_engine
 from cbverify.engines.remote import RemoteEngine
-from cbverify.upstream.findings import ENV_FINDINGS, SCRIPTS
+from cbverify.upstream.env_findings import ENV_FINDINGS
+from cbverify.upstream.findings import SCRIPTS
 from property_tests.helpers import needs_vllm
 from property_tests.strategies import rollout_requests
 

@@ -32,7 +32,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def findings_table() -> str:
-    from cbverify.upstream.findings import ENV_FINDINGS, FINDINGS
+    from cbverify.upstream.env_findings import ENV_FINDINGS
+    from cbverify.upstream.findings import FINDINGS
 
     lines = [f"{len(FINDINGS)} upstream findings (each asserted to still reproduce by the upstream tests):", ""]
     for f in FINDINGS:

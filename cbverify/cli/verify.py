@@ -27,7 +27,7 @@ from cbverify.engines import ENGINE_NAMES, LOCAL_ENGINES, NotApplicable, get_eng
 from cbverify.grpo_config import RolloutConfig, load_rollout_config
 from cbverify.prompts import load_prompts
 from cbverify.tolerances import tier_for
-from cbverify.upstream.findings import env_finding
+from cbverify.upstream.env_findings import env_finding
 from cbverify.workload import DEFAULT_GROUP_SIZE, Workload, build_workload
 from cbverify.zoo.findings import architecture_finding
 from reference.models import DEFAULT_MODEL
