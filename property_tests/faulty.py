@@ -254,3 +254,21 @@ def _ignores_min_new_tokens():
 
 
 IgnoresMinNewTokens = _ignores_min_new_tokens()
+
+
+def _vllm_raw_logprobs():
+    from cbverify.engines.remote import RemoteEngine
+    from cbverify.fuzz.drivers import Session
+
+    class VLLMRawLogprobs(Session):
+        """The fuzzer's vLLM session on ``faulty_vllm.RawLogprobsDeclaredProcessed`` (raw log-probs, declared
+        processed): every sampled call under a temperature other than 1 or a top-k / top-p cut must be caught."""
+
+        def _new_engine(self):
+            return RemoteEngine(self.model, engine="property_tests.faulty_vllm:RawLogprobsDeclaredProcessed",
+                                env="vllm", name="vllm", **self.engine_options())  # fmt: skip
+
+    return VLLMRawLogprobs
+
+
+VLLMRawLogprobs = _vllm_raw_logprobs()

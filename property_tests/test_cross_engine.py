@@ -12,13 +12,15 @@ import importlib
 from dataclasses import replace
 
 import pytest
-from hypothesis import assume, given
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from cbverify import compare
 from cbverify.cli.verify import DEFAULT_ENGINE_OPTIONS
-from cbverify.engines import ENGINE_MODULES, get_engine
+from cbverify.engines import ENGINE_MODULES, EngineError, get_engine
+from cbverify.engines.remote import RemoteEngine
 from cbverify.tolerances import FP32, logprob_scale
+from cbverify.upstream.env_findings import env_finding
 from property_tests.helpers import SUMMARY, assert_matches_reference, needs_vllm
 from property_tests.strategies import rollout_requests
 from reference import tasks
@@ -116,13 +118,42 @@ CLAIMS_INVARIANCE = tuple(n for n in ENGINES if _claims_invariance(n))
 def test_engines_that_claim_batch_invariance_give_the_same_rollout_alone_and_in_any_crowd(
     name, engines, llama_model, crowd, target, data
 ):
+    _assert_invariant(engines[name], name, llama_model, target, crowd, data)
+
+
+def _assert_invariant(engine, name, model, target, crowd, data) -> None:
     request = replace(target[0], request_id="target")
-    alone, in_crowd = _alone_and_in_crowd(engines[name], request, crowd, data.draw(st.integers(0, len(crowd))))
-    div = compare.compare_tokens(llama_model, request, alone, in_crowd, engine=name, tier=FP32)
+    alone, in_crowd = _alone_and_in_crowd(engine, request, crowd, data.draw(st.integers(0, len(crowd))))
+    div = compare.compare_tokens(model, request, alone, in_crowd, engine=name, tier=FP32)
     assert div is None or div.accepted, div.describe()
     if alone.completion_ids == in_crowd.completion_ids:
         d = max((abs(a - b) for a, b in zip(alone.logprobs, in_crowd.logprobs, strict=True)), default=0.0)
         assert d * logprob_scale(request.sampling) <= FP32.logprob_max_abs, f"{name}: log-probs moved by {d:.3g}"
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_vllm_in_its_batch_invariant_mode_is_held_to_the_claim(llama_model):
+    """``batch_invariant=True`` claims invariance: held to it like any engine that claims it. Where the mode does not
+    run, the failure must be the registered one (then an xfail naming it); anything else is a plain failure."""
+    name = "vllm[batch-invariant]"
+    try:
+        engine = RemoteEngine(llama_model, engine="vllm", env="vllm", name=name, batch_invariant=True)
+    except EngineError as err:
+        finding = env_finding(name, [str(err)])
+        assert finding is not None, f"an unregistered failure of vLLM's batch-invariant mode: {err}"
+        pytest.xfail(f"{finding.id}: the mode does not run on this stack")
+    assert engine.capabilities.claims_batch_invariance
+
+    @settings(max_examples=10, deadline=None)
+    @given(crowd=rollout_requests(**SMALL), target=rollout_requests(max_requests=1, max_prompt_len=16), data=st.data())
+    def holds(crowd, target, data):
+        _assert_invariant(engine, name, llama_model, target, crowd, data)
+
+    try:
+        holds()
+    finally:
+        engine.close()
 
 
 @pytest.fixture(scope="module", autouse=True)

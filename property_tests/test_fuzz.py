@@ -15,8 +15,10 @@ from cbverify.fuzz.run import Pristine, run_case
 from cbverify.fuzz.search import explore
 from cbverify.upstream.findings import transformers_in
 from property_tests import faulty
+from property_tests.helpers import needs_vllm
 
 DEFAULT_EXAMPLES = 4  # ~4 s each on one thread: the default suite keeps the fuzz under a minute
+VLLM_EXAMPLES = 6  # ~10-15 s each (a vLLM worker per case): make test-vllm
 
 
 @pytest.mark.parametrize("finding", FUZZ_FINDINGS, ids=lambda f: f.id)
@@ -53,6 +55,24 @@ def test_a_small_fuzz_of_transformers_cb_finds_only_registered_failures(llama):
     report = explore(llama.model, "transformers-cb", model_name="tiny-llama-arith", examples=DEFAULT_EXAMPLES)
     assert report.examples == DEFAULT_EXAMPLES
     assert not report.unregistered, [(c.check, c.detail) for c in report.unregistered]
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_small_fuzz_of_vllms_scheduler_options_finds_only_registered_failures(llama):
+    """vLLM in its environment, one worker per case (~10 s each): sequence and token budgets, chunked prefill on and
+    off, prefix caching, KV caches small enough to preempt; greedy tokens and every log-prob against the oracle."""
+    report = explore(llama.model, "vllm", model_name="tiny-llama-arith", examples=VLLM_EXAMPLES)
+    assert report.examples == VLLM_EXAMPLES
+    assert not report.unregistered, [(c.check, c.detail) for c in report.unregistered]
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_vllm_session_returning_raw_log_probs_declared_processed_is_caught(llama):
+    report = explore(llama.model, "vllm", model_name="tiny-llama-arith", examples=VLLM_EXAMPLES,
+                     session_factory=faulty.VLLMRawLogprobs, engine_label="faulty:vllm-raw-logprobs")  # fmt: skip
+    assert "logprobs" in {c.check for c in report.unregistered}, report.classes
 
 
 def test_a_session_that_drops_the_last_request_is_caught(llama):

@@ -13,7 +13,7 @@ from cbverify.upstream import matrix_checks as matrix
 from cbverify.upstream.findings import FAIL, FINDINGS, NA, PASS, SCRIPTS, CheckResult, by_id
 from cbverify.upstream.scenario import PATHS, TrainerScenario
 from cbverify.upstream.steps import CHECKS as STEP_CHECKS
-from cbverify.upstream.suite import CHECKS, DEFAULT_SCENARIOS, judge
+from cbverify.upstream.suite import CHECKS, DEFAULT_SCENARIOS, VLLM_SCENARIOS, judge
 
 pytestmark = pytest.mark.upstream
 
@@ -29,7 +29,7 @@ def test_every_finding_names_known_checks_a_path_and_one_line_of_evidence():
         assert f.path in (*PATHS, "*"), f.id
         assert f.evidence and "\n" not in f.evidence and f.affected, f.id
         assert f.applies(f.repro), f"{f.id}: its own repro scenario does not meet its condition"
-        assert f.data_dependent or f.repro in DEFAULT_SCENARIOS, f"{f.id}: repro should be a default scenario"
+        assert f.data_dependent or f.repro in (*DEFAULT_SCENARIOS, *VLLM_SCENARIOS), f"{f.id}: repro not a default"
         assert not f.script or (SCRIPTS / f.script).is_file(), f"{f.id}: no script {f.script}"
 
 
@@ -58,7 +58,15 @@ def test_architecture_scoped_findings_do_not_cover_other_architectures():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(path="vllm"), dict(num_generations=1), dict(temperature=0.0), dict(loss_type="ppo"), dict(reward="x")],
+    [
+        dict(path="sglang"),
+        dict(num_generations=1),
+        dict(temperature=0.0),
+        dict(loss_type="ppo"),
+        dict(reward="x"),
+        dict(sampler_noise=0.1),
+        dict(sampler_dtype="float32"),
+    ],
 )
 def test_trainer_scenarios_reject_invalid_settings_with_a_clear_error(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):

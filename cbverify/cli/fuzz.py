@@ -8,7 +8,12 @@ from pathlib import Path
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engine", choices=("transformers-cb", "cb_impl", "hf-generate"), default="transformers-cb")
+    parser.add_argument(
+        "--engine",
+        choices=("transformers-cb", "cb_impl", "hf-generate", "vllm"),
+        default="transformers-cb",
+        help="vllm runs in its own environment (cbverify env build vllm), ~10 s per case",
+    )
     parser.add_argument("--model", default="tiny-llama-arith", help="bundled name or local checkpoint (float32)")
     parser.add_argument("--examples", type=int, default=50, help="cases to draw (~4 s each for transformers-cb)")
     parser.add_argument("--seed", type=int, default=0)
@@ -24,6 +29,12 @@ def run(args) -> int:
     from cbverify.fuzz.search import explore, shrink
     from reference.models import load
 
+    if args.engine == "vllm":
+        from cbverify.engines import envs
+
+        if (why := envs.problem("vllm")) is not None:
+            print(f"cbverify fuzz --engine vllm: NOT-APPLICABLE: {why}")
+            return 0
     torch.set_num_threads(1)
     model, _ = load(args.model)
     report = explore(model, args.engine, model_name=args.model, examples=args.examples, seed=args.seed)

@@ -5,13 +5,19 @@ evidence). ``--run`` drives TRL's trainers through :data:`cbverify.upstream.suit
 bar and prints one line per (scenario, check): PASS / NOT-APPLICABLE / XFAIL(<finding>) are fine; FAIL (not covered by
 a finding) and FIXED?(<finding>) (a finding that stopped reproducing) make the exit code 1. ``--json`` writes the
 results for ``cbverify matrix``.
+
+``--path vllm`` runs :data:`cbverify.upstream.suite.VLLM_SCENARIOS` (TRL's colocated vLLM). vLLM's pins conflict with
+ours, so from the main venv the command re-runs itself with the ``vllm`` environment's python
+(``cbverify.engines.envs``); a missing environment is NOT-APPLICABLE with the command that builds it.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import subprocess
 import sys
 import textwrap
 import time
@@ -26,7 +32,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="--model's architecture and tokenizer with seeded random weights instead of its trained ones",
     )
-    parser.add_argument("--path", choices=("generate", "cb", "rollout_func"), help="only scenarios on this path")
+    parser.add_argument(
+        "--path",
+        choices=("generate", "cb", "rollout_func", "vllm"),
+        help="only scenarios on this path; vllm: TRL's colocated vLLM, one scenario per importance-sampling mode, "
+        "run in the vllm environment (cbverify env build vllm)",
+    )
     parser.add_argument("--json", type=Path, help="write the results (and versions) to this JSON file")
     parser.add_argument("--quiet", action="store_true", help="no progress bar, print only the summary table")
 
@@ -90,18 +101,41 @@ def summary_table(payload: dict) -> str:
     return "\n".join(lines)
 
 
+def run_in_vllm_environment(args: argparse.Namespace) -> int:
+    """This command again, with the ``vllm`` environment's python (its exit code), or NOT-APPLICABLE (0)."""
+    from cbverify.engines import envs
+
+    if (why := envs.problem("vllm")) is not None:
+        print(f"NOT-APPLICABLE: the vllm path needs the vllm environment: {why}")
+        return 0
+    model = args.model if not Path(args.model).exists() else str(Path(args.model).resolve())
+    # this module alone (the whole CLI imports scipy and more, which the vllm environment does not pin)
+    command = [str(envs.python("vllm")), "-m", "cbverify.cli.upstream", "--run", "--path", "vllm", "--model", model]
+    command += ["--random-model"] * args.random_model + ["--quiet"] * args.quiet
+    command += ["--json", str(args.json.resolve())] if args.json else []
+    print(f"running in the vllm environment: {' '.join(command)}", file=sys.stderr, flush=True)
+    env = {**os.environ, "PYTHONPATH": str(envs.REPO), "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    return subprocess.run(command, env=env).returncode
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.run and args.path == "vllm" and importlib.util.find_spec("vllm") is None:
+        return run_in_vllm_environment(args)
     print(findings_table())
     if not args.run:
         return 0
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
-    from cbverify.upstream.suite import DEFAULT_SCENARIOS, run_suite
+    from cbverify.upstream.suite import DEFAULT_SCENARIOS, VLLM_SCENARIOS, run_suite
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     model, tokenizer = load_model(args)
-    scenarios = [s for s in DEFAULT_SCENARIOS if args.path in (None, s.path)]
+    if args.path == "vllm":
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in the trainer's process, as colocate
+        scenarios = list(VLLM_SCENARIOS)
+    else:
+        scenarios = [s for s in DEFAULT_SCENARIOS if args.path in (None, s.path)]
     start = time.perf_counter()
     rows = run_suite(model, tokenizer, scenarios, progress=not args.quiet)
     name = "random-llama" if args.random_model else args.model
@@ -112,3 +146,9 @@ def run(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(payload, indent=2))
         print(f"wrote {args.json}", file=sys.stderr)
     return 0 if all(r["ok"] for r in payload["results"]) else 1
+
+
+if __name__ == "__main__":  # how run_in_vllm_environment runs it there
+    parser = argparse.ArgumentParser(prog="cbverify upstream")
+    configure(parser)
+    sys.exit(run(parser.parse_args()))

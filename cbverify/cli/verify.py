@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from cbverify import report
 from cbverify.checkpoint import Checkpoint, open_checkpoint
-from cbverify.engines import ENGINE_NAMES, LOCAL_ENGINES, NotApplicable, get_engine
+from cbverify.engines import ENGINE_NAMES, LOCAL_ENGINES, NotApplicable, get_engine, kv_bytes_per_token
 from cbverify.grpo_config import RolloutConfig, load_rollout_config
 from cbverify.prompts import load_prompts
 from cbverify.tolerances import tier_for
@@ -199,6 +199,8 @@ def _evaluate(name, model, requests, reference, tier, repro, dist, dist_samples,
         row.notes.append(", ".join(f"{extra['stats'].get(k, 0)} {label}" for k, label in CB_IMPL_EVENTS.items()))
     if "evictions" in extra:  # transformers CB: requests offloaded or soft-reset for lack of KV blocks
         row.notes.append(f"{extra['evictions']} eviction events")
+    if "vllm_events" in extra:  # vLLM's own counters
+        row.notes.append(", ".join(f"{n} {label}" for label, n in extra["vllm_events"].items()))
     return row
 
 
@@ -209,14 +211,6 @@ CB_IMPL_EVENTS = {
     "num_shared_prefills": "shared-prompt prefills",
     "num_cow_copies": "copy-on-write block copies",
 }
-
-
-def kv_bytes_per_token(model) -> int:
-    """Keys and values of one token over every layer, in the model's dtype (a standard decoder's KV layout)."""
-    c = model.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    return 2 * c.num_hidden_layers * kv_heads * head_dim * next(model.parameters()).element_size()
 
 
 def pressure_options(name: str, workload: Workload, model) -> tuple[dict, str]:

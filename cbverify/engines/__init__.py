@@ -163,3 +163,11 @@ def finish_rollout(request: RolloutRequest, tokens: Sequence[int], logprobs: Seq
             cut, reason = i + 1, "stop"
             break
     return Rollout(request.request_id, request.prompt_ids, tuple(tokens[:cut]), tuple(logprobs[:cut]), reason)
+
+
+def kv_bytes_per_token(model) -> int:
+    """Keys and values of one token over every layer, in the model's dtype (a standard decoder's KV layout)."""
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    return 2 * c.num_hidden_layers * kv_heads * head_dim * next(model.parameters()).element_size()

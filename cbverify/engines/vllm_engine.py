@@ -19,7 +19,8 @@ Options (engine arguments of ``vllm.LLM``): ``gpu_memory_utilization`` (on CPU a
 default 0.1, vLLM's 0.92 refuses to start beside the suite), ``max_num_seqs``, ``max_num_batched_tokens``,
 ``enable_prefix_caching``, ``enable_chunked_prefill``, ``kv_cache_memory_bytes``, ``block_size``, ``max_model_len``,
 ``seed`` (the engine's), ``request_seeds`` (default True: each request's own seed; False: none, as TRL's vLLM path
-samples, from the engine's seed), ``logprobs_mode``. Threads:
+samples, from the engine's seed), ``logprobs_mode``, ``batch_invariant`` (vLLM's batch-invariant mode,
+``VLLM_BATCH_INVARIANT=1``: the adapter then claims batch invariance, and the suite holds it to that). Threads:
 vLLM-CPU binds its OpenMP threads to cores itself; they are bound to as many cores as the caller's torch uses
 (``VLLM_CPU_OMP_THREADS_BIND``), so a comparison at one thread is one thread on both sides.
 """
@@ -39,6 +40,7 @@ from reference.spec import Rollout, RolloutRequest, SamplingParams
 SEMANTICS = {"processed_logprobs": "processed", "raw_logprobs": "raw"}
 UNSUPPORTED = "Unsupported CPU attention configuration"  # e.g. head_dim=16 (the random Qwen2): no kernel for it
 _WARMUP = RolloutRequest("warmup", (0,), SamplingParams(temperature=0.0, max_new_tokens=1), eos_token_ids=())
+COUNTERS = {"preemptions": "vllm:num_preemptions", "prefix-cache hit tokens": "vllm:prefix_cache_hits"}
 PASSED_THROUGH = ("max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill",
                   "kv_cache_memory_bytes", "block_size", "max_model_len")  # fmt: skip
 
@@ -55,6 +57,7 @@ class VLLMEngine:
         gpu_memory_utilization: float = 0.1,
         seed: int = 0,
         request_seeds: bool = True,
+        batch_invariant: bool = False,
         **options,
     ) -> None:
         if logprobs_mode not in SEMANTICS:
@@ -63,6 +66,8 @@ class VLLMEngine:
         if unknown:
             raise ValueError(f"unknown vllm options {sorted(unknown)} (known: {', '.join(PASSED_THROUGH)})")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: the worker is the engine
+        if batch_invariant:  # read by vLLM at import and engine build; the worker is a process of its own
+            os.environ["VLLM_BATCH_INVARIANT"] = "1"
         threads = torch.get_num_threads()  # the caller's (the worker set it): vLLM-CPU binds its own OpenMP threads
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if threads == 1 else f"0-{threads - 1}")
         from vllm import LLM
@@ -70,6 +75,7 @@ class VLLMEngine:
         self.request_seeds = request_seeds
         self.llm = LLM(model=model_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
                        enforce_eager=True, skip_tokenizer_init=True, logprobs_mode=logprobs_mode, seed=seed,
+                       disable_log_stats=False,  # its counters say what a call exercised (preemptions)
                        **{k: v for k, v in options.items() if v is not None})  # fmt: skip
         self.capabilities = Capabilities(
             spec_sampling=False,
@@ -77,7 +83,7 @@ class VLLMEngine:
             per_request_sampling=True,
             per_request_eos=True,
             logprob_semantics=SEMANTICS[logprobs_mode],
-            claims_batch_invariance=False,
+            claims_batch_invariance=batch_invariant,  # vLLM's claim in that mode, held to it by the suite
         )
         self.last_run: RunStats | None = None
         self._failed: str | None = None
@@ -102,6 +108,7 @@ class VLLMEngine:
         if self._failed is not None:  # seen: the next generate() after a failed step spins forever
             raise EngineError(f"vllm: this LLM failed a step earlier ({self._failed}); vLLM does not recover from it")
         prompts = [_prompt(r) for r in requests]
+        before = self.counters()
         start = time.perf_counter()
         try:
             outputs = self.llm.generate(prompts, [self.sampling_params(r) for r in requests], use_tqdm=False)
@@ -125,8 +132,14 @@ class VLLMEngine:
             rollouts.append(Rollout(request.request_id, request.prompt_ids, tuple(tokens), tuple(logprobs),
                                     completion.finish_reason))  # fmt: skip
         peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # this worker process, vLLM's KV too
-        self.last_run = RunStats(generate_s=elapsed, extra={"engine_peak_rss_mb": peak_rss_mb})
+        events = {k: v - before[k] for k, v in self.counters().items()}
+        self.last_run = RunStats(generate_s=elapsed, extra={"engine_peak_rss_mb": peak_rss_mb, "vllm_events": events})
         return rollouts
+
+    def counters(self) -> dict[str, int]:
+        """vLLM's own cumulative event counters (its metrics: ``vllm:num_preemptions`` and prefix-cache hits)."""
+        values = {m.name: getattr(m, "value", None) for m in self.llm.get_metrics()}
+        return {label: int(values.get(metric) or 0) for label, metric in COUNTERS.items()}
 
 
 def _prompt(request: RolloutRequest):

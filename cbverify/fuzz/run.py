@@ -27,7 +27,7 @@ class Outcome:
 def features(case: FuzzCase) -> set[str]:
     """What the case is built to exercise (evictions are counted while it runs)."""
     c, out = case.config, {case.call_pattern()}
-    budget = c.get("max_batch_tokens")
+    budget = c.get("max_batch_tokens") or (c.get("enable_chunked_prefill") and c.get("max_num_batched_tokens"))
     page = c.get("page_size") or c.get("block_size")
     if budget and any(len(r.prompt_ids) > budget for r in case.requests):
         out.add("chunked-prefill")
@@ -35,7 +35,7 @@ def features(case: FuzzCase) -> set[str]:
         out.add("prompt>page")
     prompts = [r.prompt_ids for s in case.calls for r in s.requests]
     shared = page and any(prompts.count(p) > 1 and len(p) >= page for p in prompts)
-    if shared and (c.get("allow_block_sharing") or c.get("enable_prefix_sharing")):
+    if shared and (c.get("allow_block_sharing") or c.get("enable_prefix_sharing") or c.get("enable_prefix_caching")):
         out.add("shared-blocks")
     if any(s.staggered for s in case.calls):
         out.add("added-while-running")

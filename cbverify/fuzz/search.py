@@ -76,9 +76,10 @@ def explore(model, engine: str, *, model_name: str, examples: int, seed: int = 0
 def _config_keys(case: FuzzCase) -> list[str]:
     c = case.config
     names = ("scheduler_type", "allow_block_sharing", "return_logprobs", "per_request_processors",
-             "enable_prefix_sharing", "max_num_seqs")  # fmt: skip
+             "enable_prefix_sharing", "max_num_seqs", "enable_prefix_caching", "enable_chunked_prefill",
+             "max_num_batched_tokens")  # fmt: skip
     keys = [f"{k}={c[k]}" for k in names if k in c]
-    return keys + [f"max_batch_tokens={c.get('max_batch_tokens')}"]
+    return keys + ([f"max_batch_tokens={c.get('max_batch_tokens')}"] if "max_num_batched_tokens" not in c else [])
 
 
 def still_fails(model, case: FuzzCase, check: str, pristine: Pristine, session_factory=Session) -> bool:

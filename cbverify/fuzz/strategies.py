@@ -19,7 +19,9 @@ EOS_SETS = ((tasks.EOS_ID,), (tasks.EOS_ID,), (tasks.EOS_ID, tasks.VOCAB["\n"]),
 
 
 @st.composite
-def fuzz_request_groups(draw, *, call: int, sampled: bool, per_request: bool, max_prompt_len: int = 40):
+def fuzz_request_groups(
+    draw, *, call: int, sampled: bool, per_request: bool, max_prompt_len: int = 40, top_ps=(None, 0.8, 1.0)
+):
     """1-3 GRPO groups (one prompt, 1-3 samples each, distinct seeds); ids unique across calls (``c<call>-...``)."""
     out = []
     for p in range(draw(st.integers(1, 3))):
@@ -30,7 +32,7 @@ def fuzz_request_groups(draw, *, call: int, sampled: bool, per_request: bool, ma
             if sampled and per_request:
                 kw = dict(
                     temperature=draw(st.sampled_from([0.7, 1.0, 1.5])), top_k=draw(st.sampled_from([None, 0, 1, 3])),
-                    top_p=draw(st.sampled_from([None, 0.8, 1.0])),
+                    top_p=draw(st.sampled_from(top_ps)),
                 )  # fmt: skip
             elif sampled:
                 kw = dict(temperature=1.0)
@@ -58,17 +60,21 @@ def fuzz_cases(draw, *, engine: str, model: str = "tiny-llama-arith") -> FuzzCas
         generation["repetition_penalty"] = draw(st.sampled_from([None, None, 1.3]))
     if sampled:
         generation["min_p"] = draw(st.sampled_from([None, None, 0.1]))
-    persistent = engine != "hf-generate" and draw(st.booleans())
+    # one vLLM per case (its start-up is seconds), weights fixed (the adapter has no weight sync), one call at a time
+    persistent = engine == "vllm" or (engine != "hf-generate" and draw(st.booleans()))
+    # vLLM applies min-p before top-p: the registered vllm-min-p-before-top-p (its script holds that domain)
+    top_ps = (None, 1.0) if engine == "vllm" and generation.get("min_p") else (None, 0.8, 1.0)
     steps = []
     for call in range(draw(st.integers(1, 3))):
         # a live manager must be paused while the model changes: before 5.18 it cannot be (no pause())
-        can_change = not (persistent and engine == "transformers-cb") or compat.CAN_PAUSE
+        can_change = engine != "vllm" and (not (persistent and engine == "transformers-cb") or compat.CAN_PAUSE)
         if call and can_change:
             between = draw(st.sampled_from(["none", "none", "train", "update_weights"]))
             if between != "none":
                 steps.append(Step(between, seed=draw(st.integers(0, 2**16))))
-        reqs = draw(fuzz_request_groups(call=call, sampled=sampled, per_request=per_request))
-        steps.append(Step("call", tuple(reqs), staggered=persistent and len(reqs) > 1 and draw(st.booleans())))
+        reqs = draw(fuzz_request_groups(call=call, sampled=sampled, per_request=per_request, top_ps=top_ps))
+        staggered = persistent and engine != "vllm" and len(reqs) > 1 and draw(st.booleans())
+        steps.append(Step("call", tuple(reqs), staggered=staggered))
     requests = [r for s in steps for r in s.requests]
     if engine == "transformers-cb":
         page = draw(st.sampled_from([4, 8, 16]))
@@ -90,8 +96,31 @@ def fuzz_cases(draw, *, engine: str, model: str = "tiny-llama-arith") -> FuzzCas
             max_batch_tokens=draw(st.sampled_from([2, 5, 16, 512])), max_num_seqs=draw(st.sampled_from([1, 2, 256])),
             enable_prefix_sharing=draw(st.booleans()),
         )  # fmt: skip
+    elif engine == "vllm":
+        config = vllm_config(draw, requests)
     elif engine == "hf-generate":
         config = dict(max_batch_size=draw(st.sampled_from([None, 1, 2])), seed=draw(st.integers(0, 2**31 - 1)))
     else:
         raise ValueError(f"no fuzz cases for engine {engine!r}")
     return FuzzCase(engine, model, persistent, config, generation, tuple(steps), caller_training=draw(st.booleans()))
+
+
+VLLM_BLOCK = 32  # vLLM-CPU's attention takes block sizes that are multiples of 32
+VLLM_MAX_MODEL_LEN = 64  # every drawn request fits: prompts below 40 tokens, completions up to 10
+
+
+def vllm_config(draw, requests) -> dict:
+    """vLLM's scheduler options: sequence and token budgets (chunked prefill on or off; off needs a budget of a whole
+    context), prefix caching, and a KV cache from the one block-aligned context vLLM insists on up to thrice what the
+    case needs (``kv_blocks``: the driver turns it into ``kv_cache_memory_bytes``), so requests are preempted."""
+    chunked = draw(st.booleans())
+    seqs = draw(st.sampled_from([1, 2, 4, 16]))
+    budgets = [b for b in (16, 32, 64, 512) if b >= seqs and (chunked or b >= VLLM_MAX_MODEL_LEN)]
+    floor = -(-VLLM_MAX_MODEL_LEN // VLLM_BLOCK) + 1  # vLLM refuses a cache that cannot hold one whole context
+    need = pages_needed(requests, VLLM_BLOCK)
+    return dict(
+        block_size=VLLM_BLOCK, max_model_len=VLLM_MAX_MODEL_LEN, max_num_seqs=seqs,
+        max_num_batched_tokens=draw(st.sampled_from(budgets)), enable_chunked_prefill=chunked,
+        enable_prefix_caching=draw(st.booleans()),
+        kv_blocks=max(floor, need // 2) + draw(st.sampled_from([0, 1, 2, 3 * need])),
+    )  # fmt: skip

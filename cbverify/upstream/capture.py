@@ -95,13 +95,14 @@ class Capture:
     run_error: BaseException | None = None
     rollout_backend: str | None = None
     trainer_info: dict = field(default_factory=dict)  # settings the checks need (EOS ids, epsilons, ...)
+    sampler_model: object = None  # the weights the sampler really had, where they are not the policy's (vllm path)
 
 
 def _detach(value):
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
-def _rows(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+def rows(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
     return [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
 
 
@@ -179,8 +180,8 @@ def _wrap_loss(trainer, capture: Capture) -> None:
             return out
 
         plain = unwrap(trainer)
-        prompts = _rows(inputs["prompt_ids"], inputs["prompt_mask"])
-        completions = _rows(inputs["completion_ids"], inputs["completion_mask"])
+        prompts = rows(inputs["prompt_ids"], inputs["prompt_mask"])
+        completions = rows(inputs["completion_ids"], inputs["completion_mask"])
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             ref = reference_logps(plain, prompts, completions, temperature=float(trainer.temperature))
         trainer._get_per_token_logps_and_entropies = logps
@@ -213,6 +214,10 @@ def install(trainer, capture: Capture) -> None:
         "epsilon_high": float(args.epsilon_high if args.epsilon_high is not None else args.epsilon),
         "delta": getattr(args, "delta", None),
         "steps_per_generation": int(args.steps_per_generation or args.gradient_accumulation_steps),
+        "is_clip_min": getattr(args, "vllm_importance_sampling_clip_min", None),
+        "is_clip_max": getattr(
+            args, "vllm_importance_sampling_clip_max", getattr(args, "vllm_importance_sampling_cap", None)
+        ),
     }
     _wrap_generate(trainer, capture)
     _wrap_scoring(trainer, capture)

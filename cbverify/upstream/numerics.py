@@ -5,13 +5,18 @@
 - advantages vs ``reference.advantages.compute_advantages`` on the rewards the trainer computed;
 - the loss vs ``reference.loss.grpo_loss`` fed the trainer's own per-token log-probs (so only the loss math is judged);
 - sampled tokens inside the support the requested options allow (an option a path ignores shows up here);
-- the log-prob semantics of a path's sampler log-probs: processed or full-support, and the size of the gap.
+- the log-prob semantics of a path's sampler log-probs: processed or full-support, and the size of the gap;
+- the importance-sampling weights TRL computes from the sampler's log-probs, in each ``vllm_importance_sampling_mode``.
 
 Checks that need the generation-time model use the caller's untouched model and the *first* generation only (it
-ran before any optimizer step, so its weights are the caller's).
+ran before any optimizer step, so its weights are the caller's); the sampler's log-probs are judged at the weights the
+sampler really had (``capture.sampler_model`` where it is not the policy: the ``vllm`` path's off-policy sampler).
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import replace
 
 import torch
 
@@ -23,7 +28,7 @@ from cbverify.tolerances import (
     TRAINER_FP32,
     TRAINER_FP32_GRAD_ATOL,
 )
-from cbverify.upstream.capture import Capture
+from cbverify.upstream.capture import Capture, rows
 from cbverify.upstream.findings import FAIL, NA, PASS, CheckResult
 from cbverify.upstream.scenario import TrainerScenario
 from reference.spec import SamplingParams
@@ -119,6 +124,12 @@ def loss_matches_reference(scenario: TrainerScenario, capture: Capture, trainer_
                         epsilon_high=trainer_args["epsilon_high"], delta=trainer_args["delta"],
                         importance_sampling_level=scenario.importance_sampling_level,
                         max_completion_length=scenario.max_completion_length)  # fmt: skip
+    corrected = replace(
+        config,
+        is_correction=scenario.is_mode,
+        is_clip_min=trainer_args["is_clip_min"],
+        is_clip_max=trainer_args["is_clip_max"],
+    )  # the same with TRL's IS correction applied
     worst, worst_grad = 0.0, 0.0
     for record in capture.losses:
         x = record.inputs
@@ -127,8 +138,11 @@ def loss_matches_reference(scenario: TrainerScenario, capture: Capture, trainer_
         if "num_items_in_batch" in x:  # TRL rescales the generation batch's count to one accumulation window
             items = float(x["num_items_in_batch"]) * record.accumulation_steps / trainer_args["steps_per_generation"]
         per = record.per_token_logps.double().requires_grad_(True)
-        ref = grpo_loss(per, None if old is None else old.double(), None, None, x["advantages"].double(),
-                        x["completion_mask"].double(), config, num_items_in_batch=items)  # fmt: skip
+        sampling = x.get("sampling_per_token_logps") if "importance_sampling_ratio" in x else None  # IS applied
+        ref = grpo_loss(per, None if old is None else old.double(), None,
+                        None if sampling is None else sampling.double(), x["advantages"].double(),
+                        x["completion_mask"].double(), config if sampling is None else corrected,
+                        num_items_in_batch=items)  # fmt: skip
         scale = record.accumulation_steps if scenario.loss_type in ("grpo", "bnpo", "dr_grpo", "luspo") else 1
         expected = float(ref.loss) / scale  # TRL divides these loss types by the accumulation steps itself
         if abs(record.loss - expected) > LOSS_ATOL + LOSS_RTOL * abs(expected):
@@ -253,3 +267,79 @@ def sampler_logprob_semantics(scenario: TrainerScenario, capture: Capture, model
     if d_full <= tol:
         return [_result(check, scenario, PASS, f"full-support (max |diff| {d_full:.1e}); {gap_text}")]
     return [_result(check, scenario, FAIL, f"neither: max |diff| processed {d_proc:.2e}, full {d_full:.2e}")]
+
+
+def is_weights_match_reference(scenario: TrainerScenario, capture: Capture, model, trainer_args: dict):
+    """TRL's importance-sampling weights of the first generation against :func:`reference.loss.importance_weights`
+    fed the reference's own log-probs: the policy's (temperature only) at the caller's weights, and the sampler's
+    (processed, the semantics TRL asks vLLM for) at the weights the sampler really had. So vLLM's log-probs, what TRL
+    does with them and each ``vllm_importance_sampling_mode``'s truncation or masking are judged together.
+
+    A weight is compared in log space within the slack of the log-probs it sums (twice the fp32 tier per token); a
+    log-weight within that slack of a bound could fall on either side of it, so it is skipped and counted."""
+    from reference.logprobs import per_token_logps, processed_per_token_logps
+    from reference.loss import LossConfig, importance_weights
+
+    check = "is_weights_match_reference"
+    if not scenario.is_correction:
+        return [_result(check, scenario, NA, "vllm_importance_sampling_correction not enabled")]
+    scored = capture.scored[0] if capture.scored else {}
+    if "importance_sampling_ratio" not in scored:
+        return [
+            _result(
+                check, scenario, NA, "the trainer computed no importance_sampling_ratio (see is_correction_applied)"
+            )
+        ]
+    mask = scored["completion_mask"].double()  # (B, T)
+    prompts, completions = rows(scored["prompt_ids"], scored["prompt_mask"]), rows(scored["completion_ids"], mask)
+    sampler = capture.sampler_model if capture.sampler_model is not None else model
+    old = _padded(per_token_logps(model, prompts, completions, scenario.temperature), mask)
+    sampled = _padded(processed_per_token_logps(sampler, prompts, completions, [_sampling(scenario)] * len(prompts)),
+                      mask)  # fmt: skip
+    lo, hi = trainer_args["is_clip_min"], trainer_args["is_clip_max"]
+    config = LossConfig(is_correction=scenario.is_mode, is_clip_min=lo, is_clip_max=hi)
+    want = importance_weights(old, sampled, mask, config)
+    got = scored["importance_sampling_ratio"].double().reshape(want.shape)
+    log_w, counted = (old - sampled) * mask, mask  # the log-weight before the bounds, and the tokens it sums
+    if scenario.is_mode.startswith("sequence"):
+        log_w, counted = log_w.sum(-1, keepdim=True), mask.sum(-1, keepdim=True)
+    slack = 2 * FP32_MAX * counted
+    bounds = [math.log(b) for b in (lo, hi) if b is not None and b > 0]
+    near = torch.zeros_like(log_w, dtype=torch.bool) | ~log_w.isfinite()
+    for b in bounds:
+        near |= (log_w - b).abs() <= slack
+    judged = (counted > 0) & ~near
+    both_zero = (got == 0) & (want == 0)
+    err = torch.where(both_zero, torch.zeros_like(got), (got.log() - want.log()).abs())
+    bad = judged & ~(err <= slack)  # a NaN or inf error is bad too
+    if bad.any():
+        i = tuple(int(x) for x in bad.nonzero()[0])
+        return [
+            _result(
+                check,
+                scenario,
+                FAIL,
+                f"{scenario.is_mode}: weight at {i} is {float(got[i]):.6g}, the "
+                f"reference's {float(want[i]):.6g} (log-weight {float(log_w[i]):.4g}, bounds {lo}/{hi})",
+            )
+        ]
+    w = want[judged]
+    cut = sum(int((w == b).sum()) for b in (0.0, lo, hi) if b is not None)
+    spread = f"reference weights in [{float(w.min()):.3g}, {float(w.max()):.3g}]" if w.numel() else "nothing judged"
+    return [
+        _result(
+            check,
+            scenario,
+            PASS,
+            f"{scenario.is_mode}: {int(judged.sum())} weights equal, {spread}, {cut} "
+            f"masked or truncated; {int((near & (counted > 0)).sum())} within noise of a bound skipped",
+        )
+    ]
+
+
+def _padded(rows_: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+    """Per-row log-prob tensors laid into ``mask``'s (B, T) layout (right-padded completions), float64."""
+    out = torch.zeros_like(mask)
+    for i, r in enumerate(rows_):
+        out[i, : r.numel()] = r.double()
+    return out

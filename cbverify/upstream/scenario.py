@@ -11,7 +11,11 @@ Paths:
 - ``cb``: ``use_transformers_continuous_batching=True`` (TRL 1.7+) with a small explicit
   ``transformers_continuous_batching_config`` (``num_blocks`` / ``max_batch_tokens``: the defaults reserve GBs on CPU);
 - ``rollout_func``: a ``rollout_func`` backed by an engine (``cb_impl`` when it exists, else the reference generator),
-  built by :mod:`cbverify.upstream.rollout`.
+  built by :mod:`cbverify.upstream.rollout`;
+- ``vllm``: ``use_vllm=True, vllm_mode="colocate"`` (vLLM in the trainer's process; it needs the ``vllm`` environment:
+  ``cbverify upstream --run --path vllm`` runs there). The sampler is made *off-policy by a known amount*: vLLM loads
+  the policy's weights plus seeded Gaussian noise (``sampler_noise``, see :func:`cbverify.upstream.run.run_scenario`)
+  and TRL's weight sync is held off, so the importance-sampling correction has real ratios to correct.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from reference import tasks
 from reference.loss import IS_MODES, LOSS_TYPES
 
-PATHS = ("generate", "cb", "rollout_func")
+PATHS = ("generate", "cb", "rollout_func", "vllm")
 TRAINERS = ("grpo", "rloo")
 
 
@@ -41,7 +45,7 @@ class TrainerScenario:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    greedy: bool = False  # generation_kwargs={"do_sample": False}
+    greedy: bool = False  # generation_kwargs={"do_sample": False} (vllm: {"temperature": 0.0}, vLLM's greedy)
     bf16: bool = False
     gradient_accumulation_steps: int = 1
     loss_type: str = "dapo"
@@ -75,6 +79,8 @@ class TrainerScenario:
     use_bias_correction_kl: bool | None = None  # GRPO; None: the release's default (False before trl 1.10, then True)
     normalize_advantages: bool = False  # RLOOConfig only
     reward_clip_range: tuple[float, float] | None = None  # RLOOConfig only
+    sampler_noise: float = 0.0  # vllm path: std of the seeded noise on the sampler's copy of the weights
+    sampler_dtype: str | None = None  # vllm path: None = as TRL builds vLLM (dtype "auto"); else forced (our patch)
 
     def __post_init__(self) -> None:
         checks = [
@@ -92,6 +98,10 @@ class TrainerScenario:
             (self.is_mode in IS_MODES, f"is_mode must be one of {IS_MODES}, got {self.is_mode!r}"),
             (self.max_steps >= 1, f"max_steps must be >= 1, got {self.max_steps}"),
             (self.rollout_backend in ("cb_impl", "reference"), "rollout_backend: cb_impl|reference"),
+            (self.sampler_noise >= 0 and (self.path == "vllm" or not self.sampler_noise),
+             "sampler_noise must be >= 0, and only the vllm path has a sampler of its own"),
+            (self.sampler_dtype in (None, "float32", "bfloat16") and (self.path == "vllm" or not self.sampler_dtype),
+             "sampler_dtype: None|float32|bfloat16, on the vllm path only"),
             (all(r in REWARDS for r in self.reward_names), f"rewards must be in {sorted(REWARDS)}"),
             (self.reward_weights is None or len(self.reward_weights) == len(self.reward_names),
              "reward_weights needs one weight per reward function"),
@@ -203,11 +213,15 @@ def _common_args(scenario: TrainerScenario, output_dir: str) -> dict:
         max_grad_norm=scenario.max_grad_norm,
     )  # fmt: skip
     if scenario.greedy:
-        args["generation_kwargs"] = {"do_sample": False}
+        # TRL hands generation_kwargs to the backend: transformers' GenerationConfig, or vLLM's SamplingParams (which
+        # has no do_sample: it raises on one)
+        args["generation_kwargs"] = {"temperature": 0.0} if scenario.path == "vllm" else {"do_sample": False}
     if scenario.path == "cb":
         cb = {"num_blocks": 32, "max_batch_tokens": 128, "return_logprobs": scenario.cb_return_logprobs}
         cb.update(dict(scenario.extra_cb_config))
         args.update(use_transformers_continuous_batching=True, transformers_continuous_batching_config=cb)
+    if scenario.path == "vllm":  # on CPU the memory fraction is of RAM: vLLM's default 0.9 refuses to start
+        args.update(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.1, vllm_enable_sleep_mode=False)
     return args
 
 

@@ -16,6 +16,7 @@ from cbverify.upstream.capture import Capture
 from cbverify.upstream.findings import FAIL, NA, PASS, CheckResult, by_id, expected_status
 from cbverify.upstream.run import not_applicable, run_scenario
 from cbverify.upstream.scenario import TrainerScenario
+from reference.loss import IS_MODES
 
 CHECKS = (
     "run_completes", "no_silent_request_failure", "completions_aligned", "generation_keeps_attn_and_config",
@@ -23,7 +24,7 @@ CHECKS = (
     "sampler_logprobs_reach_trainer", "is_correction_applied", "mixed_precision_completes",
     "trainer_logprobs_match_reference", "advantages_match_reference", "zero_variance_groups_get_zero_advantage",
     "loss_matches_reference",
-    "sampled_tokens_within_processed_support", "sampler_logprob_semantics",
+    "sampled_tokens_within_processed_support", "sampler_logprob_semantics", "is_weights_match_reference",
 )  # fmt: skip
 
 
@@ -55,8 +56,11 @@ def check_scenario(scenario: TrainerScenario, model, tokenizer) -> list[CheckRes
         *(numerics.loss_matches_reference(scenario, capture, info) if reached_loss
           else _not_reached(scenario, "loss_matches_reference")),
     ]  # fmt: skip
-    results += numerics.sampled_tokens_within_processed_support(scenario, capture, model)
-    results += numerics.sampler_logprob_semantics(scenario, capture, model)
+    sampler = capture.sampler_model if capture.sampler_model is not None else model  # the weights it sampled with
+    results += numerics.sampled_tokens_within_processed_support(scenario, capture, sampler)
+    results += numerics.sampler_logprob_semantics(scenario, capture, sampler)
+    results += (numerics.is_weights_match_reference(scenario, capture, model, info) if reached_scoring
+                else _not_reached(scenario, "is_weights_match_reference"))  # fmt: skip
     if capture.rollout_backend:
         results = [replace(r, reason=f"[{capture.rollout_backend}] {r.reason}") for r in results]
     return results
@@ -102,6 +106,15 @@ DEFAULT_SCENARIOS: tuple[TrainerScenario, ...] = tuple(
         dict(path="generate", trainer="rloo", top_p=0.8),
     )
 )
+# TRL's colocated vLLM path (run in the vllm environment: `cbverify upstream --run --path vllm`): one scenario per
+# importance-sampling mode with vLLM held to the policy's float32 and a sampler off-policy enough that the bounds bite
+# (about 1 token in 9 and half the sequences cut), then vLLM as TRL builds it (dtype "auto")
+_VLLM = dict(_BASE, path="vllm", top_k=3, is_correction=True, sampler_noise=0.03, is_clip_min=0.5, is_clip_max=2.0,
+             num_prompts=4, max_completion_length=8)  # fmt: skip
+VLLM_SCENARIOS: tuple[TrainerScenario, ...] = (
+    *(TrainerScenario(**{**_VLLM, "is_mode": mode, "sampler_dtype": "float32"}) for mode in IS_MODES),
+    TrainerScenario(**_VLLM),
+)
 GREEDY_AGREEMENT = TrainerScenario(**{**_BASE, "greedy": True, "rollout_backend": "reference"})
 
 
@@ -127,9 +140,10 @@ def greedy_agreement(model, tokenizer, base: TrainerScenario = GREEDY_AGREEMENT)
     captures = {}
     variants = [("generate", "generate", "cb_impl"), ("cb", "cb", "cb_impl"),  # backend unused off rollout_func
                 ("rollout_func[reference]", "rollout_func", "reference"),
-                ("rollout_func[cb_impl]", "rollout_func", "cb_impl")]  # fmt: skip
-    for label, path, backend in variants:
-        scenario = replace(base, path=path, rollout_backend=backend)
+                ("rollout_func[cb_impl]", "rollout_func", "cb_impl"), ("vllm", "vllm", "cb_impl")]  # fmt: skip
+    for label, path, backend in variants:  # vLLM (where installed) at the policy's own weights and dtype
+        dtype = "float32" if path == "vllm" else None
+        scenario = replace(base, path=path, rollout_backend=backend, sampler_dtype=dtype)
         if not_applicable(scenario) is None:
             captures[label] = run_scenario(scenario, model, tokenizer)
     return greedy_paths_agree(captures, base.describe())

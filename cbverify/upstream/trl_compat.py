@@ -94,12 +94,14 @@ def require_hooks(trainer: str) -> None:
 
 
 def require_path(trainer: str, path: str) -> None:
-    """The generation path (``generate`` / ``cb`` / ``rollout_func``) exists for ``trainer`` on this release."""
+    """The generation path (``generate`` / ``cb`` / ``rollout_func`` / ``vllm``) exists for ``trainer`` here."""
     cls, config_cls = TRAINERS[trainer]
     if path == "cb" and "use_transformers_continuous_batching" not in fields(trainer):
         raise MissingFeature(f"trl {VERSION}: {config_cls.__name__} has no use_transformers_continuous_batching")
     if path == "rollout_func" and "rollout_func" not in inspect.signature(cls.__init__).parameters:
         raise MissingFeature(f"trl {VERSION}: {cls.__name__} takes no rollout_func")
+    if path == "vllm" and "vllm_mode" not in fields(trainer):
+        raise MissingFeature(f"trl {VERSION}: {config_cls.__name__} has no vllm_mode (colocated vLLM)")
 
 
 def loss_types() -> tuple[str, ...]:
