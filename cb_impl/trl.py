@@ -6,9 +6,11 @@ row per entry in order. Consecutive identical prompts form a GRPO group, which t
 
 The engine is built on the first call (from the trainer's model unless one was given) and kept for the whole run:
 it reads the weights live at every step, so optimizer updates are seen with no weight sync. ``logprobs`` are the
-sampler's processed log-probs (``reference.spec.Rollout``). Seeds are a function of (base seed, training step, row),
-so a rerun with
-the same seeds reproduces the rollouts. Trainer options the engine cannot honour (repetition penalty) raise.
+sampler's processed log-probs (``reference.spec.Rollout``). Seeds are a function of (base seed, training step, row of
+the *global* batch): under data parallelism each process completes its slice (process ``r`` of ``N`` holds rows
+``r * B`` to ``(r + 1) * B - 1``), so no two processes share a seed, and N processes draw exactly what one process
+would for the same global batch. A rerun with the same seeds reproduces the rollouts. Trainer options the engine
+cannot honour (repetition penalty) raise.
 """
 
 from __future__ import annotations
@@ -66,8 +68,9 @@ def make_rollout_func(
         sampling = trainer_sampling(trainer)
         eos = tuple(int(t) for t in (getattr(trainer, "eos_token_ids", None) or [tok.eos_token_id]))
         step = int(trainer.state.global_step)
+        first = int(trainer.accelerator.process_index) * len(prompts)  # rows of the global batch: seeds per process
         requests = []
-        for i, prompt in enumerate(prompts):
+        for i, prompt in enumerate(prompts, start=first):
             if not isinstance(prompt, str):
                 raise ValueError(f"this rollout_func takes plain-text prompts, got {type(prompt).__name__}")
             ids = tuple(tok(prompt)["input_ids"])

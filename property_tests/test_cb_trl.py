@@ -148,7 +148,7 @@ def test_the_rollout_func_uses_the_model_tokenizer_config_and_eos_list_it_is_giv
     trainer = SimpleNamespace(
         temperature=1.0, top_k=0, top_p=1.0, min_p=None, repetition_penalty=1.0, max_completion_length=6,
         eos_token_ids=[2, 5], state=SimpleNamespace(global_step=3), processing_class=Untouchable(),
-        model=Untouchable(), accelerator=SimpleNamespace(unwrap_model=lambda m: m),
+        model=Untouchable(), accelerator=SimpleNamespace(unwrap_model=lambda m: m, process_index=0),
     )  # fmt: skip
     config = EngineConfig(num_blocks=40, block_size=4)
     rollout_func = make_rollout_func(llama.model, llama.tokenizer, config=config, seed=7)
@@ -159,3 +159,35 @@ def test_the_rollout_func_uses_the_model_tokenizer_config_and_eos_list_it_is_giv
     out = make_rollout_func(llama.model, llama.tokenizer, engine=recording)(["1+2="], trainer)
     assert [r.eos_token_ids for r in recording.requests] == [(2, 5)]
     assert recording.requests[0].prompt_ids == tuple(llama.tokenizer("1+2=")["input_ids"])
+
+
+def test_each_process_seeds_its_rows_of_the_global_batch(llama):
+    """Process r of a data-parallel run completes rows r*B .. (r+1)*B-1 of the global batch: its requests carry
+    those rows' ids and seeds, so no two processes share a seed and N processes draw what one process would."""
+    from types import SimpleNamespace
+
+    from cb_impl.trl import make_rollout_func
+
+    class Recording:
+        def __init__(self):
+            self.requests = []
+
+        def generate(self, requests):
+            self.requests += list(requests)
+            return [reference_generate(llama.model, [r])[0] for r in requests]
+
+    def trainer(process_index):
+        return SimpleNamespace(
+            temperature=1.0, top_k=0, top_p=1.0, min_p=None, repetition_penalty=1.0, max_completion_length=3,
+            eos_token_ids=[2], state=SimpleNamespace(global_step=5), processing_class=llama.tokenizer,
+            model=llama.model, accelerator=SimpleNamespace(unwrap_model=lambda m: m, process_index=process_index),
+        )  # fmt: skip
+
+    prompts = ["1+2=", "1+2=", "3+4=", "3+4="]
+    one, halves = Recording(), [Recording(), Recording()]
+    make_rollout_func(engine=one)(prompts, trainer(0))
+    for rank, recording in enumerate(halves):
+        make_rollout_func(engine=recording)(prompts[2 * rank : 2 * rank + 2], trainer(rank))
+    split = [r for recording in halves for r in recording.requests]
+    assert [(r.request_id, r.seed) for r in split] == [(r.request_id, r.seed) for r in one.requests]
+    assert len({r.seed for r in split}) == len(split)

@@ -38,6 +38,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="only scenarios on this path; vllm: TRL's colocated vLLM, one scenario per importance-sampling mode, "
         "run in the vllm environment (cbverify env build vllm)",
     )
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="data-parallel CPU processes (torch.distributed, gloo): >1 runs the multi-process scenarios, each also "
+        "on one process for comparison (cbverify.upstream.distributed)",
+    )
+    parser.add_argument(
+        "--launcher",
+        choices=("torchrun", "accelerate"),
+        default="torchrun",
+        help="with --nproc: torch's launcher, or `accelerate launch --cpu --num_processes N` as typed by a user",
+    )
     parser.add_argument("--json", type=Path, help="write the results (and versions) to this JSON file")
     parser.add_argument("--quiet", action="store_true", help="no progress bar, print only the summary table")
 
@@ -131,13 +144,22 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     model, tokenizer = load_model(args)
-    if args.path == "vllm":
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in the trainer's process, as colocate
-        scenarios = list(VLLM_SCENARIOS)
-    else:
-        scenarios = [s for s in DEFAULT_SCENARIOS if args.path in (None, s.path)]
     start = time.perf_counter()
-    rows = run_suite(model, tokenizer, scenarios, progress=not args.quiet)
+    if args.nproc > 1:
+        from dataclasses import replace
+
+        from cbverify.upstream.distributed import DISTRIBUTED_SCENARIOS, run_distributed
+
+        scenarios = [replace(s, nproc=args.nproc) for s in DISTRIBUTED_SCENARIOS if args.path in (None, s.path)]
+        rows = run_distributed(scenarios, args.model, model, random_model=args.random_model, progress=not args.quiet,
+                               launcher=args.launcher)  # fmt: skip
+    else:
+        if args.path == "vllm":
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in the trainer's process, as colocate
+            scenarios = list(VLLM_SCENARIOS)
+        else:
+            scenarios = [s for s in DEFAULT_SCENARIOS if args.path in (None, s.path)]
+        rows = run_suite(model, tokenizer, scenarios, progress=not args.quiet)
     name = "random-llama" if args.random_model else args.model
     payload = results_payload(rows, time.perf_counter() - start, name, model.config.model_type)
     print(summary_table(payload))

@@ -218,6 +218,10 @@ def install(trainer, capture: Capture) -> None:
         "is_clip_max": getattr(
             args, "vllm_importance_sampling_clip_max", getattr(args, "vllm_importance_sampling_cap", None)
         ),
+        # which process of how many (data parallel: cbverify.upstream.distributed), as accelerate sees it
+        "process_index": int(trainer.accelerator.process_index),
+        "num_processes": int(trainer.accelerator.num_processes),
+        "distributed_type": str(trainer.accelerator.distributed_type),
     }
     _wrap_generate(trainer, capture)
     _wrap_scoring(trainer, capture)

@@ -7,6 +7,8 @@ per check, PASS / FAIL / NOT-APPLICABLE with a one-line reason. Expected prompt 
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from cbverify.tolerances import PASS_THROUGH_ATOL
@@ -57,6 +59,11 @@ def no_silent_request_failure(scenario: TrainerScenario, capture: Capture) -> li
     return [_result(check, scenario, PASS, f"{len(capture.generations)} generation(s), every request finished")]
 
 
+def masked_as_truncated(scenario: TrainerScenario, completion: list[int], eos_ids) -> bool:
+    """Whether TRL masks this completion out entirely: ``mask_truncated_completions`` and it did not end on EOS."""
+    return scenario.mask_truncated_completions and not (completion and completion[-1] in eos_ids)
+
+
 def completions_aligned(scenario: TrainerScenario, capture: Capture, eos_ids: tuple[int, ...]) -> list[CheckResult]:
     """Count, order, prompt ids and the EOS convention of what reached the trainer, and the scored batch's rows."""
     check = "completions_aligned"
@@ -70,9 +77,12 @@ def completions_aligned(scenario: TrainerScenario, capture: Capture, eos_ids: tu
             problems.append(f"generation {g}: {n} prompts, {len(record.prompt_ids)} prompt ids, "
                             f"{len(record.completion_ids)} completions")  # fmt: skip
             continue
-        for i in range(0, n, scenario.num_generations):
-            if len(set(record.prompts[i : i + scenario.num_generations])) != 1:
-                problems.append(f"generation {g}: rows {i}..{i + scenario.num_generations - 1} are not one group")
+        first = capture.trainer_info.get("process_index", 0) * n  # this process's rows of the global batch
+        groups: dict[int, set] = {}
+        for i, prompt in enumerate(record.prompts):  # a group may start on an earlier process
+            groups.setdefault((first + i) // scenario.num_generations, set()).add(json.dumps(prompt, default=str))
+        if split := [k for k, members in groups.items() if len(members) != 1]:
+            problems.append(f"generation {g}: the rows of group {split[0]} are not one prompt's")
         for i, (prompt, ids, completion) in enumerate(
             zip(record.prompts, record.prompt_ids, record.completion_ids, strict=True)
         ):
@@ -97,6 +107,8 @@ def completions_aligned(scenario: TrainerScenario, capture: Capture, eos_ids: tu
             continue
         rows = [row[m.bool()].tolist() for row, m in zip(scored["completion_ids"], scored["completion_mask"],
                                                          strict=True)]  # fmt: skip
+        rows = [c if masked_as_truncated(scenario, c, eos_ids) and not r else r
+                for r, c in zip(rows, record.completion_ids, strict=False)]  # fmt: skip
         if rows != record.completion_ids:
             problems.append(f"scored batch {s}: completion rows differ from what generation returned")
     if problems:
@@ -174,7 +186,10 @@ def sampler_logprobs_reach_trainer(scenario: TrainerScenario, capture: Capture) 
     if "sampling_per_token_logps" not in scored:
         return [_result(check, scenario, FAIL, "sampler log-probs were returned but are absent from the scored batch")]
     sampled, mask = scored["sampling_per_token_logps"], scored["completion_mask"]
+    eos_ids = capture.trainer_info.get("eos_ids", ())
     for i, lps in enumerate(record.sampler_logprobs):
+        if not mask[i].any() and masked_as_truncated(scenario, record.completion_ids[i], eos_ids):
+            continue  # a truncated row TRL masked out (mask_truncated_completions): nothing of it is used
         got = sampled[i][mask[i].bool()].double()
         if got.numel() != len(lps) or not torch.allclose(
             got, torch.tensor(lps, dtype=torch.float64), atol=PASS_THROUGH_ATOL

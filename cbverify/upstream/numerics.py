@@ -82,26 +82,28 @@ def advantages_match_reference(scenario: TrainerScenario, capture: Capture, scal
         return [_result(n, scenario, FAIL, reason) for n in names]
     worst, zero_rows, varied_rows, zero_bad = 0.0, 0, 0, []
     n = scenario.num_generations
+    # rewards are gathered over every process, advantages are this process's slice of them (one process: all)
+    rank, world = capture.trainer_info.get("process_index", 0), capture.trainer_info.get("num_processes", 1)
     for scored, rewards in zip(capture.scored, capture.rewards, strict=True):
-        flat = rewards[:, 0].double()
-        expected = compute_advantages(flat, n, scale_rewards)
         got = scored["advantages"].double()
-        if got.shape != expected.shape:
-            return [
-                _result(n_, scenario, FAIL, f"shape {tuple(got.shape)} != {tuple(expected.shape)}") for n_ in names
-            ]
-        for start, flat_group in _groups(rewards[:, 0], n):
-            rows = slice(start, start + n)
-            if flat_group:
-                zero_rows += n
-                if (got[rows] != 0).any():
-                    zero_bad.append(f"rewards {rewards[rows, 0].tolist()} -> advantages {got[rows].tolist()}")
-                continue
-            varied_rows += n
-            if not torch.allclose(got[rows], expected[rows], rtol=LOSS_RTOL, atol=LOSS_ATOL):
-                msg = f"advantages {got[rows].tolist()} != reference {expected[rows].tolist()}"
-                return [_result(names[0], scenario, FAIL, msg), _result(names[1], scenario, NA, "not reached")]
-            worst = max(worst, float((got[rows] - expected[rows]).abs().max()))
+        if rewards.shape[0] != got.shape[0] * world:
+            why = f"{rewards.shape[0]} gathered rewards for {got.shape[0]} advantages on each of {world} process(es)"
+            return [_result(n_, scenario, FAIL, why) for n_ in names]
+        mine = slice(rank * got.shape[0], (rank + 1) * got.shape[0])
+        expected = compute_advantages(rewards[:, 0].double(), n, scale_rewards)[mine]
+        flat_row = torch.tensor([flat for _, flat in _groups(rewards[:, 0], n) for _ in range(n)])[mine]
+        values = rewards[mine, 0]
+        if flat_row.any():
+            zero_rows += int(flat_row.sum())
+            if (got[flat_row] != 0).any():
+                zero_bad.append(f"rewards {values[flat_row].tolist()} -> advantages {got[flat_row].tolist()}")
+        varied = ~flat_row
+        varied_rows += int(varied.sum())
+        if not torch.allclose(got[varied], expected[varied], rtol=LOSS_RTOL, atol=LOSS_ATOL):
+            msg = f"advantages {got[varied].tolist()} != reference {expected[varied].tolist()}"
+            return [_result(names[0], scenario, FAIL, msg), _result(names[1], scenario, NA, "not reached")]
+        if varied.any():
+            worst = max(worst, float((got[varied] - expected[varied]).abs().max()))
     first = (_result(names[0], scenario, PASS, f"{varied_rows} rows in varied groups, max |diff| {worst:.1e}")
              if varied_rows else _result(names[0], scenario, NA, "every group had equal rewards"))  # fmt: skip
     if not zero_rows:
@@ -118,6 +120,9 @@ def loss_matches_reference(scenario: TrainerScenario, capture: Capture, trainer_
     check = "loss_matches_reference"
     if scenario.trainer != "grpo":
         return [_result(check, scenario, NA, "RLOO's loss has no reference implementation")]
+    if scenario.top_entropy_quantile < 1.0:  # the mask comes from the trainer's entropies of the whole batch
+        return [_result(check, scenario, NA, "entropy masking is judged by the optimizer-step checks "
+                        "(cbverify.upstream.steps: make fuzz-trl)")]  # fmt: skip
     if not capture.losses:
         return [_result(check, scenario, FAIL, "no loss call was observed")]
     config = LossConfig(loss_type=scenario.loss_type, epsilon_low=trainer_args["epsilon_low"],
@@ -137,6 +142,9 @@ def loss_matches_reference(scenario: TrainerScenario, capture: Capture, trainer_
         items = None
         if "num_items_in_batch" in x:  # TRL rescales the generation batch's count to one accumulation window
             items = float(x["num_items_in_batch"]) * record.accumulation_steps / trainer_args["steps_per_generation"]
+            # and each of N processes to 1/N of it: gradients are averaged over processes, so their mean is the global
+            # objective (the count is gathered over every process)
+            items /= trainer_args.get("num_processes", 1)
         per = record.per_token_logps.double().requires_grad_(True)
         sampling = x.get("sampling_per_token_logps") if "importance_sampling_ratio" in x else None  # IS applied
         ref = grpo_loss(per, None if old is None else old.double(), None,

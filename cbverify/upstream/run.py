@@ -103,8 +103,9 @@ def off_policy_sampler(model, noise: float, seed: int):
     return sampler
 
 
-def run_scenario(scenario: TrainerScenario, model, tokenizer) -> Capture:
-    """Train (or evaluate) a copy of ``model`` under ``scenario`` and return what the trainer saw.
+def run_scenario(scenario: TrainerScenario, model, tokenizer, callbacks: tuple = ()) -> Capture:
+    """Train (or evaluate) a copy of ``model`` under ``scenario`` and return what the trainer saw (``callbacks``:
+    ``TrainerCallback``s added to the trainer, e.g. the per-rank recorder of :mod:`cbverify.upstream.distributed`).
 
     On the ``vllm`` path TRL builds vLLM from ``model.name_or_path``: that is pointed at a checkpoint of
     :func:`off_policy_sampler` (kept as ``capture.sampler_model``, the weights the sampler's log-probs are judged at),
@@ -137,6 +138,8 @@ def run_scenario(scenario: TrainerScenario, model, tokenizer) -> Capture:
             if folder is not None:
                 trainer.vllm_generation.sync_weights = lambda: None
             install(trainer, capture)
+            for callback in callbacks:
+                trainer.add_callback(callback)
             try:
                 trainer.evaluate() if scenario.evaluate else trainer.train()
             except Exception as err:  # a crash is a finding: every check reports it, nothing is swallowed

@@ -81,6 +81,7 @@ class TrainerScenario:
     reward_clip_range: tuple[float, float] | None = None  # RLOOConfig only
     sampler_noise: float = 0.0  # vllm path: std of the seeded noise on the sampler's copy of the weights
     sampler_dtype: str | None = None  # vllm path: None = as TRL builds vLLM (dtype "auto"); else forced (our patch)
+    nproc: int = 1  # data-parallel processes (cbverify.upstream.distributed); batch sizes are per process
 
     def __post_init__(self) -> None:
         checks = [
@@ -107,8 +108,9 @@ class TrainerScenario:
              "reward_weights needs one weight per reward function"),
             (self.scale_rewards in ("group", "batch", "none"), "scale_rewards: group|batch|none"),
             (self.num_iterations >= 1 and (self.steps_per_generation or 1) >= 1, "num_iterations, steps >= 1"),
-            (self.generation_batch_size % self.num_generations == 0,
-             f"generation batch {self.generation_batch_size} must be a multiple of num_generations"),
+            (self.nproc >= 1 and self.generation_batch_size * self.nproc % self.num_generations == 0,
+             f"the global generation batch ({self.generation_batch_size} x {self.nproc} processes) must be a multiple "
+             "of num_generations"),
             (0.0 <= self.top_entropy_quantile <= 1.0, "top_entropy_quantile must be in [0, 1]"),
         ]  # fmt: skip
         for ok, message in checks:
@@ -141,12 +143,14 @@ class TrainerScenario:
 
 
 def make_dataset(scenario: TrainerScenario):
-    """Enough arithmetic prompts (plain text, no chat template) for every generation batch of ``max_steps`` steps."""
+    """Enough arithmetic prompts (plain text, no chat template) for every generation batch of ``max_steps`` steps, on
+    every process of a data-parallel run (``nproc``: the global batch is that many times the per-device one, and a
+    group may span processes)."""
     from datasets import Dataset
 
     micro_steps = scenario.max_steps * scenario.gradient_accumulation_steps
     generations = -(-micro_steps // (scenario.spg * scenario.num_iterations))
-    num = scenario.generation_batch_size // scenario.num_generations * generations
+    num = -(-scenario.generation_batch_size * scenario.nproc // scenario.num_generations) * generations
     problems = tasks.make_problems(num, seed=scenario.seed, max_terms=scenario.max_terms)
     return Dataset.from_list([{"prompt": p.prompt, "answer": p.answer} for p in problems])
 
@@ -165,6 +169,13 @@ def arithmetic_reward(prompts, completions, completion_ids, answer, **_) -> list
 def constant_reward(prompts, **_) -> list[float]:
     """5/7 for everything: a float32 sum of three 5/7 is inexact, so a group mean of them is not 5/7 exactly."""
     return [5.0 / 7.0] * len(prompts)
+
+
+def token_sum_reward(prompts, completions, completion_ids, **_) -> list[float]:
+    """``(sum of the token ids mod 11) / 11``: a function of the completion alone, varied on any model with some
+    entropy (the multi-process scenarios use it: :func:`arithmetic_reward`'s position term reads the row's index on its
+    process, which changes with the process layout)."""
+    return [(sum(ids) % 11) / 11.0 for ids in completion_ids]
 
 
 def length_reward(prompts, completions, completion_ids, **_) -> list[float]:
@@ -195,6 +206,7 @@ def unscorable_reward(prompts, completions, completion_ids, answer, **_) -> list
 
 
 REWARDS = {"arithmetic": arithmetic_reward, "constant": constant_reward, "length": length_reward,
+           "token_sum": token_sum_reward,
            "digits": digit_reward, "parity": parity_reward, "unscored": unscored_reward,
            "unscorable": unscorable_reward}  # fmt: skip
 

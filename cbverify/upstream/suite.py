@@ -33,7 +33,12 @@ def check_scenario(scenario: TrainerScenario, model, tokenizer) -> list[CheckRes
     reason = not_applicable(scenario)
     if reason:
         return [CheckResult(name, scenario.path, NA, reason, scenario.describe()) for name in CHECKS]
-    capture = run_scenario(scenario, model, tokenizer)
+    return check_capture(scenario, run_scenario(scenario, model, tokenizer), model)
+
+
+def check_capture(scenario: TrainerScenario, capture: Capture, model) -> list[CheckResult]:
+    """All checks of :data:`CHECKS` on what one trainer run (or one rank of it) captured; ``model`` is the caller's
+    untouched model (the weights of the first generation)."""
     info = capture.trainer_info
     results = [
         *checks.run_completes(scenario, capture),
