@@ -23,7 +23,14 @@ from tqdm import tqdm
 
 from cbverify import report
 from cbverify.checkpoint import Checkpoint, open_checkpoint
-from cbverify.engines import ENGINE_NAMES, LOCAL_ENGINES, NotApplicable, get_engine, kv_bytes_per_token
+from cbverify.engines import (
+    ENGINE_NAMES,
+    LOCAL_ENGINES,
+    NotApplicable,
+    get_engine,
+    kv_bytes_per_token,
+    load_factory,
+)
 from cbverify.grpo_config import RolloutConfig, load_rollout_config
 from cbverify.prompts import load_prompts
 from cbverify.tolerances import tier_for
@@ -43,9 +50,11 @@ DEFAULT_ENGINE_OPTIONS: dict[str, dict] = {
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="bundled model name or local checkpoint directory")
-    parser.add_argument("--engines", nargs="+", default=list(LOCAL_ENGINES), choices=ENGINE_NAMES,
-                        help="engines to verify (the reference is always run as the oracle; default: all but vllm, "
-                        "which runs in its own environment: `cbverify env build vllm`, then add it here)")  # fmt: skip
+    parser.add_argument("--engines", nargs="+", default=list(LOCAL_ENGINES), metavar="ENGINE",
+                        help=f"engines to verify: {', '.join(ENGINE_NAMES)}, an engine another package registers "
+                        "(entry point group cbverify.engines), or module:factory (docs/engines.md); the reference "
+                        "always runs as the oracle; default: all but vllm, which runs in its own environment "
+                        "(`cbverify env build vllm`)")  # fmt: skip
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="model dtype; the tolerance tier follows it (cbverify.tolerances.tier_for)")  # fmt: skip
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="device to run every engine on")
@@ -154,6 +163,8 @@ def _prepare(args: argparse.Namespace):
         raise ValueError("--dist-samples must be 0 (skip) or >= 50 (the distribution test's minimum node size)")
     if args.threads is not None and args.threads < 1:
         raise ValueError("--threads must be >= 1")
+    for name in args.engines:
+        load_factory(name)  # an unknown name or a plugin that does not import: said before any weights are read
     rollout_config = load_rollout_config(args.grpo_config) if args.grpo_config else None
     if args.prompts:
         load_prompts(args.prompts)  # parse errors before the weights are read

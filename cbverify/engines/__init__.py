@@ -133,12 +133,87 @@ OWN_ENV_ENGINES: tuple[str, ...] = ("vllm",)
 LOCAL_ENGINES: tuple[str, ...] = tuple(n for n in ENGINE_NAMES if n not in OWN_ENV_ENGINES)
 
 
+ENTRY_POINT_GROUP = "cbverify.engines"  # a third-party package registers ``name = "module:factory"`` here
+
+
+class PluginError(ValueError):
+    """A third-party engine could not be loaded or is not an engine: names the plugin and what is wrong."""
+
+
+def plugin_engines() -> dict[str, str]:
+    """Engines installed by other packages: entry point name -> ``module:factory``."""
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def known_engines() -> tuple[str, ...]:
+    return (*ENGINE_NAMES, *sorted(set(plugin_engines()) - set(ENGINE_NAMES)))
+
+
+def load_factory(name: str) -> Callable:
+    """The factory behind ``name``: a built-in engine, an installed entry point of :data:`ENTRY_POINT_GROUP`, or a
+    ``module:factory`` path."""
+    if name in ENGINE_MODULES:
+        module, attr = ENGINE_MODULES[name]
+        return getattr(importlib.import_module(module), attr)
+    target = plugin_engines().get(name, name if ":" in name else None)
+    if target is None:
+        raise ValueError(f"unknown engine {name!r}; known engines: {', '.join(known_engines())}, or module:factory")
+    module, _, attr = target.partition(":")
+    try:
+        factory = importlib.import_module(module)
+        for part in attr.split("."):
+            factory = getattr(factory, part)
+    except Exception as err:
+        raise PluginError(f"engine {name!r} ({target}) could not be loaded: {type(err).__name__}: {err}") from err
+    if not callable(factory):
+        raise PluginError(f"engine {name!r} ({target}) is a {type(factory).__name__}, not a factory")
+    return factory
+
+
 def get_engine(name: str, model, **options) -> Engine:
-    """The engine ``name`` wrapping ``model``; ``options`` go to its constructor (see each adapter)."""
-    if name not in ENGINE_MODULES:
-        raise ValueError(f"unknown engine {name!r}; known engines: {', '.join(ENGINE_NAMES)}")
-    module, cls = ENGINE_MODULES[name]
-    return getattr(importlib.import_module(module), cls)(model, **options)
+    """The engine ``name`` wrapping ``model``: ``factory(model, **options)`` (see each adapter; for third-party
+    engines docs/engines.md). An engine from outside the repository is checked on the way out (:class:`Checked`)."""
+    engine = load_factory(name)(model, **options)
+    return engine if name in ENGINE_MODULES else Checked.wrap(name, engine)
+
+
+class Checked:
+    """A third-party engine behind a guard: it must look like an :class:`Engine` when built, and every ``generate``
+    must return a list of :class:`Rollout`, one per request; otherwise :class:`PluginError` / :class:`EngineError`
+    name the engine and what came back. Everything else is the engine's own (attributes pass through)."""
+
+    def __init__(self, label: str, engine) -> None:
+        self._label, self._engine = label, engine
+        self.name = label  # rows and reports name the engine as it was asked for
+
+    @classmethod
+    def wrap(cls, label: str, engine) -> Checked:
+        missing = [a for a in ("name", "capabilities", "generate") if not hasattr(engine, a)]
+        if missing:
+            what = f"its factory returned a {type(engine).__name__}, which has no {', '.join(missing)}"
+            raise PluginError(f"engine {label!r}: {what} (an engine has name, capabilities and generate(requests))")
+        if not isinstance(engine.capabilities, Capabilities):
+            raise PluginError(f"engine {label!r}: capabilities is a {type(engine.capabilities).__name__}, not a "
+                              "cbverify.engines.Capabilities")  # fmt: skip
+        return cls(label, engine)
+
+    def __getattr__(self, attr):
+        return getattr(self._engine, attr)
+
+    def generate(self, requests: Sequence[RolloutRequest]) -> list[Rollout]:
+        out = self._engine.generate(requests)
+        if not isinstance(out, list | tuple):
+            raise EngineError(f"engine {self._label!r}: generate returned a {type(out).__name__}, not a list")
+        if len(out) != len(requests):
+            raise EngineError(f"engine {self._label!r}: generate returned {len(out)} rollouts for {len(requests)} "
+                              "requests")  # fmt: skip
+        wrong = [(i, type(r).__name__) for i, r in enumerate(out) if not isinstance(r, Rollout)]
+        if wrong:
+            raise EngineError(f"engine {self._label!r}: generate returned a {wrong[0][1]} at position {wrong[0][0]}, "
+                              "not a reference.spec.Rollout")  # fmt: skip
+        return list(out)
 
 
 def check_unique_ids(engine: str, requests: Sequence[RolloutRequest]) -> None:

@@ -1,0 +1,89 @@
+"""Engines from outside the repository: found by entry point name or ``module:factory``, checked on the way in and
+out, and judged like the built-in ones. The example engine (``examples/engine_plugin``) is installed as a package of
+its own into a temporary venv and verified by name there; its deliberately broken copy fails with a readable row."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from cbverify.engines import Capabilities, EngineError, PluginError, get_engine, load_factory
+from reference.spec import RolloutRequest, SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
+CAPS = Capabilities(spec_sampling=False, per_request_max_new_tokens=True, per_request_sampling=True,
+                    per_request_eos=True, logprob_semantics="none", claims_batch_invariance=False)  # fmt: skip
+REQUESTS = [RolloutRequest(f"r{i}", (1, 5, 6), SamplingParams(temperature=0.0, max_new_tokens=2)) for i in range(2)]
+
+
+class _Returns:
+    name, capabilities = "returns", CAPS
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def generate(self, requests):
+        return self.value
+
+
+def not_an_engine(model, **options):
+    return object()
+
+
+def one_rollout_short(model, **options):
+    from reference.generate import generate
+
+    return _Returns(generate(model, REQUESTS)[:1])
+
+
+def dicts_not_rollouts(model, **options):
+    return _Returns([{"completion_ids": [4]}] * len(REQUESTS))
+
+
+def test_bad_plugins_get_errors_that_name_the_plugin_and_the_fault(llama):
+    here = "property_tests.test_engine_plugins"
+    with pytest.raises(ValueError, match="unknown engine 'nope'.*module:factory"):
+        load_factory("nope")
+    with pytest.raises(PluginError, match="could not be loaded: ModuleNotFoundError"):
+        load_factory("no_such_package.engines:make")
+    with pytest.raises(PluginError, match="could not be loaded: AttributeError"):
+        load_factory(f"{here}:no_such_factory")
+    with pytest.raises(PluginError, match="returned a object, which has no name, capabilities, generate"):
+        get_engine(f"{here}:not_an_engine", llama.model)
+    with pytest.raises(EngineError, match="returned 1 rollouts for 2 requests"):
+        get_engine(f"{here}:one_rollout_short", llama.model).generate(REQUESTS)
+    with pytest.raises(EngineError, match="returned a dict at position 0, not a reference.spec.Rollout"):
+        get_engine(f"{here}:dicts_not_rollouts", llama.model).generate(REQUESTS)
+
+
+@pytest.fixture(scope="module")
+def plugin_venv(tmp_path_factory) -> Path:
+    """A venv of its own that sees our packages (a .pth file: no second torch) with the example engine installed
+    into it as a package, entry points and all."""
+    venv = tmp_path_factory.mktemp("plugin-venv")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    (site / "cbverify-main.pth").write_text(f"{sysconfig.get_paths()['purelib']}\n{REPO}\n")
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "--quiet",
+                    "--no-deps", "--no-build-isolation", "--no-index", str(REPO / "examples" / "engine_plugin")],
+                   check=True)  # fmt: skip
+    return venv
+
+
+def test_the_example_engine_installed_as_a_package_is_verified_by_name_and_its_broken_copy_fails(
+    plugin_venv, tmp_path
+):
+    out = tmp_path / "report.json"
+    proc = subprocess.run([str(plugin_venv / "bin" / "python"), "-m", "cbverify", "verify", "--engines",
+                           "example-generate", "example-generate-broken", "--num-prompts", "2", "--max-new-tokens",
+                           "8", "--json", str(out)], capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {row["engine"]: row for row in json.loads(out.read_text())["engines"]}
+    assert rows["example-generate"]["status"] == "PASS", rows["example-generate"]
+    broken = rows["example-generate-broken"]
+    assert broken["status"] == "FAIL" and any("finish_reason 'length'" in p for p in broken["problems"]), broken
