@@ -5,6 +5,7 @@ its own into a temporary venv and verified by name there; its deliberately broke
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -69,9 +70,9 @@ def plugin_venv(tmp_path_factory) -> Path:
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     site = next((venv / "lib").glob("python3*/site-packages"))
     (site / "cbverify-main.pth").write_text(f"{sysconfig.get_paths()['purelib']}\n{REPO}\n")
+    source = shutil.copytree(REPO / "examples" / "engine_plugin", venv / "src")  # the build leaves files beside it
     subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "--quiet",
-                    "--no-deps", "--no-build-isolation", "--no-index", str(REPO / "examples" / "engine_plugin")],
-                   check=True)  # fmt: skip
+                    "--no-deps", "--no-build-isolation", "--no-index", str(source)], check=True)  # fmt: skip
     return venv
 
 

@@ -11,8 +11,14 @@ from reference.spec import Rollout
 
 class ExampleEngine:
     name = "example-generate"
-    capabilities = Capabilities(spec_sampling=False, per_request_max_new_tokens=True, per_request_sampling=True,
-                                per_request_eos=True, logprob_semantics="processed", claims_batch_invariance=True)
+    capabilities = Capabilities(
+        spec_sampling=False,
+        per_request_max_new_tokens=True,
+        per_request_sampling=True,
+        per_request_eos=True,
+        logprob_semantics="processed",
+        claims_batch_invariance=True,
+    )
 
     def __init__(self, model, *, seed: int = 0, keep: int | None = None):
         self.model, self.seed, self.keep = model, seed, keep  # keep=-1: the broken copy's off-by-one
@@ -33,11 +39,13 @@ class ExampleEngine:
         with torch.random.fork_rng(devices=[]):  # a seeded draw that leaves the caller's RNG alone
             torch.manual_seed(self.seed if request.seed is None else request.seed)
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-        tokens = out.sequences[0, ids.shape[1]:].tolist()[: self.keep]
-        logprobs = [float(torch.log_softmax(score[0].float(), -1)[t]) for score, t in zip(out.scores, tokens)]
+        tokens = out.sequences[0, ids.shape[1] :].tolist()[: self.keep]
+        scores = out.scores[: len(tokens)]
+        logprobs = [float(torch.log_softmax(x[0].float(), -1)[t]) for x, t in zip(scores, tokens, strict=True)]
         stop = bool(tokens) and tokens[-1] in request.eos_token_ids
-        return Rollout(request.request_id, request.prompt_ids, tuple(tokens), tuple(logprobs),
-                       "stop" if stop else "length")
+        return Rollout(
+            request.request_id, request.prompt_ids, tuple(tokens), tuple(logprobs), "stop" if stop else "length"
+        )
 
 
 def make_engine(model, **options):
