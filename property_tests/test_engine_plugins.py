@@ -88,3 +88,26 @@ def test_the_example_engine_installed_as_a_package_is_verified_by_name_and_its_b
     assert rows["example-generate"]["status"] == "PASS", rows["example-generate"]
     broken = rows["example-generate-broken"]
     assert broken["status"] == "FAIL" and any("finish_reason 'length'" in p for p in broken["problems"]), broken
+
+
+def test_the_example_engine_passes_the_conformance_suite_and_its_broken_copy_fails_readably(plugin_venv, tmp_path):
+    """As another project's CI would run it: pytest's plugin from the installed cbverify, the engines by name."""
+    report = tmp_path / "conformance.md"
+    proc = subprocess.run([str(plugin_venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "--pyargs", "cbverify.conformance", "--cbverify-engine", "example-generate",
+                           "--cbverify-engine", "example-generate-broken", "--cbverify-examples", "3",
+                           "--cbverify-report", str(report)], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
+    table = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+             for line in report.read_text().splitlines() if line.startswith("| ") and "---" not in line}  # fmt: skip
+    header = table.pop("property")
+    assert header == ["`example-generate`", "`example-generate-broken`"], header
+    good, broken = zip(*table.values(), strict=True)
+    assert "FAIL" not in good and "FAIL" in broken, table
+    # it claims batch invariance (one request at a time) and samples with its own RNG: both held, both hold
+    for row in ("a request gives the same rollout alone and in any crowd where batch invariance is claimed",
+                "own rng samples follow the processed distribution"):  # fmt: skip
+        assert table[row][0] == "PASS", table
+    text = report.read_text()
+    assert "finish_reason 'length'" in text and "repro: `pytest --pyargs cbverify.conformance" in text, text

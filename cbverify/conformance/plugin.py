@@ -1,0 +1,137 @@
+"""The pytest plugin of the conformance suite (``pytest11`` entry point ``cbverify``): options, fixtures, the report.
+
+Options: ``--cbverify-engine NAME`` (repeatable: a built-in name, an installed ``cbverify.engines`` entry point or
+``module:factory``), ``--cbverify-model`` (bundled name or local checkpoint, float32), ``--cbverify-option KEY=VALUE``
+(passed to every engine's factory; the value is read as JSON when it parses), ``--cbverify-examples N`` (Hypothesis
+examples per property, default 10), ``--cbverify-report PATH`` (the Markdown table of property x engine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+
+import pytest
+
+STATUS = {"passed": "PASS", "failed": "FAIL", "skipped": "NOT-APPLICABLE"}
+
+
+def pytest_addoption(parser) -> None:
+    group = parser.getgroup("cbverify", "cbverify conformance suite")
+    group.addoption("--cbverify-engine", action="append", default=[], help="engine to hold to the conformance "
+                    "properties (repeatable): a built-in name, an entry point of group cbverify.engines, or "
+                    "module:factory")  # fmt: skip
+    group.addoption("--cbverify-model", default="tiny-llama-arith", help="bundled model name or checkpoint folder")
+    group.addoption("--cbverify-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="an option for every engine's factory (JSON value when it parses)")  # fmt: skip
+    group.addoption("--cbverify-examples", type=int, default=10, help="Hypothesis examples per property")
+    group.addoption("--cbverify-report", type=Path, default=None, help="write the property x engine table here")
+
+
+def pytest_configure(config) -> None:
+    os.environ["CBVERIFY_CONFORMANCE_EXAMPLES"] = str(config.getoption("cbverify_examples"))
+
+
+def pytest_generate_tests(metafunc) -> None:
+    if "engine_name" in metafunc.fixturenames:
+        names = metafunc.config.getoption("cbverify_engine")
+        if names:
+            metafunc.parametrize("engine_name", names, ids=names, scope="session")
+        else:
+            why = "no --cbverify-engine given"
+            metafunc.parametrize("engine_name", [pytest.param(None, marks=pytest.mark.skip(reason=why))], ids=["-"])
+
+
+def _options(config) -> dict:
+    out = {}
+    for item in config.getoption("cbverify_option"):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise pytest.UsageError(f"--cbverify-option takes KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+@pytest.fixture(scope="session")
+def conformance_model(pytestconfig):
+    from reference.models import load
+
+    return load(pytestconfig.getoption("cbverify_model"))[0]
+
+
+@pytest.fixture(scope="session")
+def conformance_engines(pytestconfig, conformance_model):
+    """Engine name -> engine, built once per session (a failure to build is the first test's error, named)."""
+    from cbverify.engines import get_engine
+
+    built: dict = {}
+    options = _options(pytestconfig)
+
+    def engine(name: str):
+        if name not in built:
+            built[name] = get_engine(name, conformance_model, **options)
+        return built[name]
+
+    return engine
+
+
+def pytest_runtest_logreport(report) -> None:
+    """Each conformance property's outcome per engine, for the report (a skip at setup is NOT-APPLICABLE)."""
+    if not report.location[0].endswith("test_conformance.py") or "[" not in report.nodeid:
+        return
+    if report.when != "call" and report.outcome == "passed":
+        return
+    name, _, engine = report.nodeid.split("::")[-1].partition("[")
+    reason = ""
+    if report.outcome == "skipped" and isinstance(report.longrepr, tuple):
+        reason = report.longrepr[2].removeprefix("Skipped: ")
+    elif report.outcome == "failed":  # the assertion's own message (pytest's crash line), on one line
+        crash = getattr(getattr(report.longrepr, "reprcrash", None), "message", "") or report.longreprtext
+        reason = " ".join(crash.split())[:400]
+    _OUTCOMES[(name, engine.removesuffix("]"))] = (STATUS.get(report.outcome, report.outcome), reason)
+
+
+_OUTCOMES: dict[tuple[str, str], tuple[str, str]] = {}
+
+
+def pytest_sessionfinish(session) -> None:
+    config = session.config
+    path = config.getoption("cbverify_report")
+    if path is None:
+        return
+    outcomes = _OUTCOMES
+    engines = list(dict.fromkeys(engine for _, engine in outcomes))
+    properties = list(dict.fromkeys(name for name, _ in outcomes))
+    lines = ["# cbverify conformance report", "", _versions(config), "",
+             "| property | " + " | ".join(f"`{e}`" for e in engines) + " |",
+             "|---|" + "---|" * len(engines)]  # fmt: skip
+    details = []
+    for prop in properties:
+        cells = []
+        for engine in engines:
+            status, reason = outcomes.get((prop, engine), ("-", ""))
+            cells.append(status)
+            if status != "PASS" and reason:
+                details.append(f"- `{prop}` on `{engine}`: {status}: {reason}")
+            if status == "FAIL":
+                details.append(f"  repro: `pytest --pyargs cbverify.conformance --cbverify-engine {engine} "
+                               f"--cbverify-model {config.getoption('cbverify_model')} -k {prop}`")  # fmt: skip
+        lines.append(f"| {prop.removeprefix('test_').replace('_', ' ')} | " + " | ".join(cells) + " |")
+    Path(path).write_text("\n".join([*lines, "", *details, ""]))
+
+
+def _versions(config) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    parts = [f"python {platform.python_version()}"]
+    for package in ("torch", "transformers", "cbverify"):
+        try:
+            parts.append(f"{package} {version(package)}")
+        except PackageNotFoundError:
+            pass
+    return ", ".join(parts) + f"; model {config.getoption('cbverify_model')}"
