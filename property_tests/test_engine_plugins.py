@@ -90,6 +90,7 @@ def test_the_example_engine_installed_as_a_package_is_verified_by_name_and_its_b
     assert broken["status"] == "FAIL" and any("finish_reason 'length'" in p for p in broken["problems"]), broken
 
 
+@pytest.mark.slow  # ~75 s: both engines through every property, 400 samples each for the distribution test
 def test_the_example_engine_passes_the_conformance_suite_and_its_broken_copy_fails_readably(plugin_venv, tmp_path):
     """As another project's CI would run it: pytest's plugin from the installed cbverify, the engines by name."""
     report = tmp_path / "conformance.md"
