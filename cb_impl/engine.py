@@ -122,7 +122,7 @@ class LLMEngine:
             touched = batch.sequences + [f for s in batch.sequences for f in s.followers]
             failed = list({id(s): s for s in touched}.values())
             for seq in failed:
-                self.scheduler.finish(seq, error=err)
+                self.scheduler.finish(seq)
                 self._live.pop(seq.request_id, None)
             self._counters["num_failed_requests"] += len(failed)
             ids = [s.request_id for s in failed]

@@ -169,7 +169,7 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
-    def finish(self, seq: Sequence, error: BaseException | None = None) -> None:
+    def finish(self, seq: Sequence) -> None:
         """Remove a sequence (finished, failed or aborted) from the queues and free its blocks."""
         for follower in list(seq.followers):
             follower.parent = None
@@ -183,4 +183,3 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.deallocate(seq)
         seq.status = SequenceStatus.FINISHED
-        seq.error = error

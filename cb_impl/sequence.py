@@ -8,7 +8,8 @@ Invariants, for a sequence ``s``:
 - a ``WAITING`` sequence holds no blocks and has ``num_computed_tokens == 0``;
 - a sequence with a ``parent`` is ``RUNNING`` but holds no blocks yet: it waits for the parent's prompt prefill and
   is then forked from it (shares its blocks) and sampled from the parent's last-position logits;
-- a ``FINISHED`` sequence holds no blocks and has a ``finish_reason`` (or an ``error``).
+- a ``FINISHED`` sequence holds no blocks; it has a ``finish_reason`` unless it failed or was aborted (then the
+  engine raised or dropped it: it is never returned).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class Sequence:
 
     __slots__ = (
         "seq_id", "request", "request_id", "token_ids", "num_prompt_tokens", "max_new_tokens", "eos_token_ids",
-        "logprobs", "num_computed_tokens", "block_table", "status", "parent", "followers", "finish_reason", "error",
+        "logprobs", "num_computed_tokens", "block_table", "status", "parent", "followers", "finish_reason",
     )  # fmt: skip
 
     def __init__(
@@ -59,7 +60,6 @@ class Sequence:
         self.parent: Sequence | None = None
         self.followers: list[Sequence] = []
         self.finish_reason: str | None = None
-        self.error: BaseException | None = None
 
     # --- derived quantities -------------------------------------------------------------------------------------
     @property

@@ -90,6 +90,8 @@ def test_cb_rejects_invalid_configs_and_multimodal_models(llama):
     for bad in bad_configs:
         with pytest.raises(ValueError, match="EngineConfig"):
             EngineConfig(**bad)
+    for edge in (dict(max_memory_fraction=1.0), dict(max_memory_fraction=1), dict(block_size=1, num_blocks=1)):
+        EngineConfig(**edge)  # the closed ends of the documented ranges are accepted
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
     vision = CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,

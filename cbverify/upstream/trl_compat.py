@@ -45,6 +45,7 @@ which the upstream suite reports as NOT-APPLICABLE and the tests as a skip: neve
 from __future__ import annotations
 
 import ast
+import importlib.util
 import inspect
 import textwrap
 from functools import cache
@@ -102,6 +103,8 @@ def require_path(trainer: str, path: str) -> None:
         raise MissingFeature(f"trl {VERSION}: {cls.__name__} takes no rollout_func")
     if path == "vllm" and "vllm_mode" not in fields(trainer):
         raise MissingFeature(f"trl {VERSION}: {config_cls.__name__} has no vllm_mode (colocated vLLM)")
+    if path == "vllm" and importlib.util.find_spec("trl.generation.vllm_generation") is None:
+        raise MissingFeature(f"trl {VERSION}: no trl.generation.vllm_generation (the vLLM driver this path wraps)")
 
 
 def loss_types() -> tuple[str, ...]:
