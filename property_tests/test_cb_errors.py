@@ -244,7 +244,12 @@ def test_the_event_counters_verify_reports_count_what_happened(llama, prompt_len
     prompt = tuple((1, 6, 5, 16, 7, 5, 3, 4, 8, 9, 10, 11)[:prompt_len])
     sampling = SamplingParams(temperature=0.0, max_new_tokens=2)
     engine.generate([RolloutRequest("one", prompt, sampling, eos_token_ids=())])
-    assert engine.stats["num_partial_prefills"] == -(-prompt_len // budget) - 1
+    chunks, new = -(-prompt_len // budget), sampling.max_new_tokens
+    assert engine.stats["num_partial_prefills"] == chunks - 1
     assert engine.stats["num_requests"] == 1
+    # the step and token counters the benchmarks report: one step per prefill chunk, then one per further token
+    expected = dict(num_steps=chunks + new - 1, num_forward_tokens=prompt_len + new - 1, num_decode_tokens=new - 1,
+                    num_prefill_tokens=prompt_len, num_generated_tokens=new)  # fmt: skip
+    assert {k: engine.stats[k] for k in expected} == expected
     engine.generate([RolloutRequest(f"g{i}", prompt, sampling, eos_token_ids=()) for i in range(3)])
     assert engine.stats["num_requests"] == 4
