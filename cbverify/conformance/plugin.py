@@ -3,7 +3,8 @@
 Options: ``--cbverify-engine NAME`` (repeatable: a built-in name, an installed ``cbverify.engines`` entry point or
 ``module:factory``), ``--cbverify-model`` (bundled name or local checkpoint, float32), ``--cbverify-option KEY=VALUE``
 (passed to every engine's factory; the value is read as JSON when it parses), ``--cbverify-examples N`` (Hypothesis
-examples per property, default 10), ``--cbverify-report PATH`` (the Markdown table of property x engine).
+examples per property; default: the loaded profile's when ``HYPOTHESIS_PROFILE`` names one, else 10),
+``--cbverify-report PATH`` (the Markdown table of property x engine).
 """
 
 from __future__ import annotations
@@ -26,12 +27,22 @@ def pytest_addoption(parser) -> None:
     group.addoption("--cbverify-model", default="tiny-llama-arith", help="bundled model name or checkpoint folder")
     group.addoption("--cbverify-option", action="append", default=[], metavar="KEY=VALUE",
                     help="an option for every engine's factory (JSON value when it parses)")  # fmt: skip
-    group.addoption("--cbverify-examples", type=int, default=10, help="Hypothesis examples per property")
+    group.addoption("--cbverify-examples", type=int, default=None, help="Hypothesis examples per property (default: "
+                    "the profile's named by HYPOTHESIS_PROFILE, else 10)")  # fmt: skip
     group.addoption("--cbverify-report", type=Path, default=None, help="write the property x engine table here")
 
 
 def pytest_configure(config) -> None:
-    os.environ["CBVERIFY_CONFORMANCE_EXAMPLES"] = str(config.getoption("cbverify_examples"))
+    examples = config.getoption("cbverify_examples")
+    if examples is None:  # the project's own Hypothesis profile, when it names one (cbverify's CI: 50 examples)
+        from hypothesis import settings
+        from hypothesis.errors import InvalidArgument
+
+        try:
+            examples = settings.get_profile(os.environ.get("HYPOTHESIS_PROFILE", "")).max_examples
+        except InvalidArgument:
+            examples = 10
+    os.environ["CBVERIFY_CONFORMANCE_EXAMPLES"] = str(examples)
 
 
 def pytest_generate_tests(metafunc) -> None:
