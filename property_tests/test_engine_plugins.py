@@ -4,11 +4,13 @@ its own into a temporary venv and verified by name there; its deliberately broke
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import subprocess
 import sys
 import sysconfig
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -60,6 +62,43 @@ def test_bad_plugins_get_errors_that_name_the_plugin_and_the_fault(llama):
         get_engine(f"{here}:one_rollout_short", llama.model).generate(REQUESTS)
     with pytest.raises(EngineError, match="returned a dict at position 0, not a reference.spec.Rollout"):
         get_engine(f"{here}:dicts_not_rollouts", llama.model).generate(REQUESTS)
+
+
+class _Claims:
+    """cb_impl with other claims (``capabilities``): what an engine that over-claims looks like to the suite."""
+
+    def __init__(self, engine, **claims) -> None:
+        self.name, self._engine = engine.name, engine
+        self.capabilities = replace(engine.capabilities, **claims)
+
+    def generate(self, requests):
+        return self._engine.generate(requests)
+
+
+def stale_snapshot(model, **options):
+    """Claims to follow weight updates but samples a copy of the weights taken when it was built."""
+    return _Claims(get_engine("cb_impl", copy.deepcopy(model), **options), follows_weight_updates=True)
+
+
+def phantom_deviation(model, **options):
+    """Declares vLLM's processor order but follows the spec's: the declaration only hides requests."""
+    return _Claims(get_engine("cb_impl", model, **options), deviations=("min-p-before-top-p",))
+
+
+def test_the_suite_holds_weight_update_and_deviation_claims_to_being_true(tmp_path):
+    """An engine that samples stale weights after an in-place update, and one whose declared deviation is not real,
+    each FAIL the property that holds that claim, naming it (through ``cbverify conformance``, which exits 1)."""
+    here = "property_tests.test_engine_plugins"
+    report = tmp_path / "conformance.md"
+    proc = subprocess.run([sys.executable, "-m", "cbverify", "conformance", "--engines", f"{here}:stale_snapshot",
+                           f"{here}:phantom_deviation", "-k", "weight_update or declared_deviations", "--examples",
+                           "5", "--markdown", str(report)], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
+    text = report.read_text()
+    assert "| after an in place weight update the next call follows the new weights | FAIL | PASS |" in text, text
+    assert "| declared deviations are real | NOT-APPLICABLE | FAIL |" in text, text
+    assert "declares the deviation 'min-p-before-top-p' but follows the spec there" in text, text
 
 
 @pytest.fixture(scope="module")

@@ -61,6 +61,15 @@ def random_like(name_or_path: str | Path = DEFAULT_MODEL, *, seed: int = 0):
     return model.eval(), load_tokenizer(path)
 
 
+@torch.no_grad()
+def perturb(model, seed: int, scale: float = 0.05) -> None:
+    """Change every parameter in place by seeded Gaussian noise of std ``scale``: a weight sync as a trainer does
+    it (the same tensors, new values), reproducible from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.add_(torch.randn(p.shape, generator=g).to(device=p.device, dtype=p.dtype) * scale)
+
+
 def load_tokenizer(path: Path):
     """The tokenizer class the checkpoint declares; ``AutoTokenizer`` only when it declares a specialised one.
 

@@ -10,6 +10,7 @@ import sys
 
 SUBCOMMANDS = {
     "verify": ("cbverify.cli.verify", "every engine against the reference oracle on one model; PASS/FAIL per engine"),
+    "conformance": ("cbverify.cli.conformance", "the conformance suite on named engines; a property x engine report"),
     "golden": ("cbverify.cli.golden", "record or check golden log-prob regression files"),
     "bench": ("cbverify.cli.bench", "side-by-side throughput/memory benchmarks with plots"),
     "upstream": ("cbverify.cli.upstream", "TRL / transformers integration checks and the findings registry"),

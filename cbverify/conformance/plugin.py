@@ -32,7 +32,23 @@ def pytest_addoption(parser) -> None:
     group.addoption("--cbverify-report", type=Path, default=None, help="write the property x engine table here")
 
 
+def _env_marks(name: str) -> list:
+    """An engine served from an environment of its own is marked with the environment's name (``-m vllm`` selects
+    it, ``-m 'not vllm'`` leaves it out) and skipped, with the command that builds it, where that is not built."""
+    from cbverify.engines import OWN_ENV_ENGINES, envs
+
+    if name not in OWN_ENV_ENGINES:
+        return []
+    why = envs.problem(name)
+    return [getattr(pytest.mark, name), *([pytest.mark.skip(reason=why)] if why else [])]
+
+
 def pytest_configure(config) -> None:
+    from cbverify.engines import OWN_ENV_ENGINES
+
+    for env in OWN_ENV_ENGINES:
+        config.addinivalue_line("markers", f"{env}: the conformance properties of the engine served from the {env} "
+                                "environment (cbverify env build {env})")  # fmt: skip
     examples = config.getoption("cbverify_examples")
     if examples is None:  # the project's own Hypothesis profile, when it names one (cbverify's CI: 50 examples)
         from hypothesis import settings
@@ -49,7 +65,8 @@ def pytest_generate_tests(metafunc) -> None:
     if "engine_name" in metafunc.fixturenames:
         names = metafunc.config.getoption("cbverify_engine")
         if names:
-            metafunc.parametrize("engine_name", names, ids=names, scope="session")
+            params = [pytest.param(n, marks=_env_marks(n), id=n) for n in names]
+            metafunc.parametrize("engine_name", params, scope="session")
         else:
             why = "no --cbverify-engine given"
             metafunc.parametrize("engine_name", [pytest.param(None, marks=pytest.mark.skip(reason=why))], ids=["-"])
@@ -76,16 +93,37 @@ def conformance_model(pytestconfig):
 
 
 @pytest.fixture(scope="session")
-def conformance_engines(pytestconfig, conformance_model):
-    """Engine name -> engine, built once per session (a failure to build is the first test's error, named)."""
-    from cbverify.engines import get_engine
+def conformance_build(pytestconfig):
+    """``build(name, model)``: a new engine from ``name``'s factory with the session's options, closed (where it has
+    ``close``: an engine in a worker process) when the session ends. A factory that raises ``NotApplicable`` makes
+    the caller's test NOT-APPLICABLE with the engine's reason."""
+    from cbverify.engines import NotApplicable, get_engine
 
+    options, opened = _options(pytestconfig), []
+
+    def build(name: str, model):
+        try:
+            engine = get_engine(name, model, **options)
+        except NotApplicable as err:
+            pytest.skip(f"the engine is not applicable here: {err.reason}")
+        opened.append(engine)
+        _DECLARED[name] = engine.capabilities.deviations
+        return engine
+
+    yield build
+    for engine in opened:
+        if hasattr(engine, "close"):
+            engine.close()
+
+
+@pytest.fixture(scope="session")
+def conformance_engines(conformance_build, conformance_model):
+    """Engine name -> engine on the session's model, built once (a failure to build is each test's error, named)."""
     built: dict = {}
-    options = _options(pytestconfig)
 
     def engine(name: str):
         if name not in built:
-            built[name] = get_engine(name, conformance_model, **options)
+            built[name] = conformance_build(name, conformance_model)
         return built[name]
 
     return engine
@@ -108,6 +146,7 @@ def pytest_runtest_logreport(report) -> None:
 
 
 _OUTCOMES: dict[tuple[str, str], tuple[str, str]] = {}
+_DECLARED: dict[str, tuple[str, ...]] = {}  # engine -> the deviations it declares (for the report)
 
 
 def pytest_sessionfinish(session) -> None:
@@ -133,7 +172,12 @@ def pytest_sessionfinish(session) -> None:
                 details.append(f"  repro: `pytest --pyargs cbverify.conformance --cbverify-engine {engine} "
                                f"--cbverify-model {config.getoption('cbverify_model')} -k {prop}`")  # fmt: skip
         lines.append(f"| {prop.removeprefix('test_').replace('_', ' ')} | " + " | ".join(cells) + " |")
-    Path(path).write_text("\n".join([*lines, "", *details, ""]))
+    from cbverify.engines import DEVIATIONS
+
+    declared = [f"- `{engine}` declares the deviation `{d}`: {DEVIATIONS[d].description}. The properties draw outside "
+                "its domain; `declared deviations are real` holds the declaration to it."
+                for engine in engines for d in _DECLARED.get(engine, ())]  # fmt: skip
+    Path(path).write_text("\n".join([*lines, "", *declared, *([""] if declared else []), *details, ""]))
 
 
 def _versions(config) -> str:

@@ -4,19 +4,22 @@ capability the engine does not claim is NOT-APPLICABLE, naming it."""
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import replace
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from cbverify import compare
 from cbverify.conformance.strategies import request_groups
 from cbverify.distribution import distribution_test
+from cbverify.engines import DEVIATIONS
 from cbverify.tolerances import FP32, logprob_scale
 from reference import tasks
 from reference.generate import generate as oracle
+from reference.models import perturb
 from reference.spec import RolloutRequest, SamplingParams
 
 EXAMPLES = int(os.environ.get("CBVERIFY_CONFORMANCE_EXAMPLES", "10"))
@@ -31,6 +34,28 @@ def engine(engine_name, conformance_engines):
 def _needs(engine, claim: str, wanted=True):
     if getattr(engine.capabilities, claim) != wanted:
         pytest.skip(f"the engine does not claim {claim}={wanted!r}")
+
+
+def _outside_declared_deviations(engine, requests) -> None:
+    """Draw around the domains of the deviations the engine declares (``Capabilities.deviations``)."""
+    assume(not any(DEVIATIONS[d].applies(r.sampling) for d in engine.capabilities.deviations for r in requests))
+
+
+def _assert_matches_oracle(engine, model, requests, got) -> None:
+    """Tokens equal the oracle's (greedy, or sampled where ``spec_sampling`` is claimed) except at a near-tie, and the
+    returned log-probs equal teacher forcing in the declared semantics, within the float32 tier."""
+    assert not compare.check_results(requests, got), compare.check_results(requests, got)
+    for q, r, want in zip(requests, got, oracle(model, requests), strict=True):
+        if q.sampling.greedy or engine.capabilities.spec_sampling:
+            div = compare.compare_tokens(model, q, want, r, engine=engine.name, tier=FP32)
+            assert div is None or div.accepted, div.describe()
+    semantics = engine.capabilities.logprob_semantics
+    if semantics != "none":
+        diff = compare.logprob_diffs(got, compare.teacher_forced_logprobs(model, requests, got, semantics), requests)
+        assert diff.max_abs <= FP32.logprob_max_abs and diff.mean_abs <= FP32.logprob_mean_abs, (
+            f"declared {semantics!r}: max |dlogp| {diff.max_abs:.3g} at {diff.worst_request!r}[{diff.worst_position}],"
+            f" mean {diff.mean_abs:.3g}"
+        )
 
 
 @CHECKED
@@ -61,6 +86,7 @@ def test_returned_logprobs_equal_the_oracles_teacher_forcing_in_the_declared_sem
 ):
     if engine.capabilities.logprob_semantics == "none":
         pytest.skip("the engine declares logprob_semantics='none'")
+    _outside_declared_deviations(engine, requests)
     got = engine.generate(requests)
     expected = compare.teacher_forced_logprobs(conformance_model, requests, got, engine.capabilities.logprob_semantics)
     diff = compare.logprob_diffs(got, expected, requests)
@@ -76,6 +102,7 @@ def test_sampled_tokens_equal_the_oracles_where_the_engine_follows_the_sampling_
     engine, conformance_model, requests
 ):
     _needs(engine, "spec_sampling")
+    _outside_declared_deviations(engine, requests)
     got = engine.generate(requests)
     for q, r, want in zip(requests, got, oracle(conformance_model, requests), strict=True):
         div = compare.compare_tokens(conformance_model, q, want, r, engine=engine.name, tier=FP32)
@@ -110,3 +137,44 @@ def test_own_rng_samples_follow_the_processed_distribution(engine, conformance_m
                 for i, s in enumerate(DISTRIBUTIONS)]  # fmt: skip
     result = distribution_test(engine, conformance_model, requests, num_samples=200)
     assert result.passed, result.describe()
+
+
+@pytest.fixture
+def engine_on_a_copy(engine, engine_name, conformance_build, conformance_model):
+    """A new engine of the same factory on a copy of the model, whose weights the test may change."""
+    _needs(engine, "follows_weight_updates")
+    model = copy.deepcopy(conformance_model)
+    return conformance_build(engine_name, model), model
+
+
+@CHECKED
+@given(requests=request_groups(), seed=st.integers(0, 2**16))
+def test_after_an_in_place_weight_update_the_next_call_follows_the_new_weights(engine_on_a_copy, requests, seed):
+    """A GRPO loop's call pattern: generate, change the weights in place (an optimizer step, a weight sync), generate
+    again on the same engine; the second call must be the oracle's on the new weights (no stale weights, caches or
+    compiled graphs)."""
+    engine, model = engine_on_a_copy
+    _outside_declared_deviations(engine, requests)
+    engine.generate(requests)  # whatever the engine keeps from a call, it has now
+    perturb(model, seed)
+    _assert_matches_oracle(engine, model, requests, engine.generate(requests))
+
+
+def test_declared_deviations_are_real(engine, conformance_model):
+    """A declared deviation narrows what the suite draws for the engine, so it must be real: on the deviation's
+    example (8 prompts) the engine's processed log-probs differ from the spec's beyond the float32 tier."""
+    if not engine.capabilities.deviations:
+        pytest.skip("the engine declares no deviations")
+    if engine.capabilities.logprob_semantics != "processed":
+        pytest.skip("a deviation shows in processed log-probs, which the engine does not return")
+    for deviation in (DEVIATIONS[d] for d in engine.capabilities.deviations):
+        requests = [RolloutRequest(f"{deviation.id}-{i}", tuple(tasks.prompt_ids(p)), deviation.example, seed=i,
+                                   eos_token_ids=(tasks.EOS_ID,))
+                    for i, p in enumerate(tasks.make_problems(8, seed=11))]  # fmt: skip
+        got = engine.generate(requests)
+        expected = compare.teacher_forced_logprobs(conformance_model, requests, got, "processed")
+        diff = compare.logprob_diffs(got, expected, requests)
+        assert diff.max_abs > FP32.logprob_max_abs, (
+            f"the engine declares the deviation {deviation.id!r} but follows the spec there (max |dlogp| "
+            f"{diff.max_abs:.3g} on {deviation.example}): the declaration only hides requests from the suite"
+        )

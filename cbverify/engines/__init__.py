@@ -27,7 +27,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
-from reference.spec import Rollout, RolloutRequest
+from reference.spec import Rollout, RolloutRequest, SamplingParams
 
 LogprobSemantics = Literal["processed", "raw", "none"]
 WindowHook = Callable[[], AbstractContextManager]  # entered around each generation window (see module docstring)
@@ -58,6 +58,10 @@ class Capabilities:
       from), ``raw`` (``log_softmax`` of the raw logits) or ``none`` (no log-probs returned).
     - ``claims_batch_invariance``: a request's tokens and log-probs do not depend on what else is in the batch.
     - ``supports_min_p``: min-p is honoured (possibly by grouping requests with equal min-p).
+    - ``follows_weight_updates``: the engine runs the very model object it was given, so a change to its weights in
+      place (an optimizer step, a weight sync) shows in the next call -- what an in-process GRPO sampler must do.
+    - ``deviations``: ids of :data:`DEVIATIONS`, documented departures from ``reference.spec`` that the engine
+      declares; the suite draws around them, lists them in its report, and holds each declaration to being real.
     """
 
     spec_sampling: bool
@@ -67,10 +71,45 @@ class Capabilities:
     logprob_semantics: LogprobSemantics
     claims_batch_invariance: bool
     supports_min_p: bool = True
+    follows_weight_updates: bool = False
+    deviations: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.logprob_semantics not in ("processed", "raw", "none"):
             raise ValueError(f"logprob_semantics must be processed|raw|none, got {self.logprob_semantics!r}")
+        object.__setattr__(self, "deviations", tuple(self.deviations))  # a list after a JSON round trip
+        unknown = [d for d in self.deviations if d not in DEVIATIONS]
+        if unknown:
+            raise ValueError(f"unknown deviations {unknown}; known: {', '.join(DEVIATIONS)}")
+
+
+@dataclass(frozen=True, slots=True)
+class Deviation:
+    """A documented departure from ``reference.spec`` an engine may declare (``Capabilities.deviations``).
+
+    ``applies(sampling)`` is its domain: the requests where the engine's answer differs from the spec's, which the
+    conformance suite does not draw for that engine; ``example`` is a sampling in the domain where the difference
+    shows on the bundled model, so the suite can hold the declaration to being real (a declaration that is not
+    would only hide part of the engine from the suite)."""
+
+    id: str
+    description: str
+    applies: Callable[[SamplingParams], bool]
+    example: SamplingParams
+
+
+DEVIATIONS: dict[str, Deviation] = {
+    d.id: d
+    for d in (
+        Deviation(
+            "min-p-before-top-p",
+            "min-p is applied before top-p (vLLM's sampler), not after it: top-p then renormalises over another set "
+            "(min-p and top-k commute, so only requests with both min-p and top-p differ)",
+            lambda s: s.min_p > 0 and s.top_p < 1,
+            SamplingParams(temperature=1.5, top_p=0.9, min_p=0.1, max_new_tokens=8),
+        ),
+    )
+}
 
 
 @dataclass(slots=True)

@@ -33,6 +33,7 @@ class CbImplEngine:
         per_request_eos=True,
         logprob_semantics="processed",
         claims_batch_invariance=True,
+        follows_weight_updates=True,  # it runs the caller's model object
     )
 
     def __init__(self, model, *, window_hook: WindowHook | None = None, **config) -> None:

@@ -110,6 +110,7 @@ class HFGenerateEngine:
         per_request_eos=True,  # by grouping
         logprob_semantics="processed",
         claims_batch_invariance=False,  # left padding changes the matmul shapes, and the RNG stream is shared
+        follows_weight_updates=True,  # it runs the caller's model object
     )
 
     def __init__(

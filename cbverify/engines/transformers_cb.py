@@ -66,6 +66,7 @@ class TransformersCBEngine:
         per_request_eos=True,
         logprob_semantics="processed",
         claims_batch_invariance=False,  # packed varlen batches change reduction shapes; the RNG stream is shared
+        follows_weight_updates=True,  # it runs the caller's model object
     )
 
     def __init__(

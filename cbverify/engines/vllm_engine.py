@@ -84,6 +84,7 @@ class VLLMEngine:
             per_request_eos=True,
             logprob_semantics=SEMANTICS[logprobs_mode],
             claims_batch_invariance=batch_invariant,  # vLLM's claim in that mode, held to it by the suite
+            deviations=("min-p-before-top-p",),  # registered as vllm-min-p-before-top-p
         )
         self.last_run: RunStats | None = None
         self._failed: str | None = None

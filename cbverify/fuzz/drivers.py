@@ -24,6 +24,7 @@ import torch
 
 from cbverify.engines import transformers_compat as compat
 from cbverify.fuzz.case import FuzzCase, Step
+from reference.models import perturb
 
 CALL_TIMEOUT_S = 120.0  # a call on the tiny bundled models takes ~1 s; a hang is reported as a lost request
 
@@ -208,10 +209,8 @@ class Session:
 
     def update_weights(self, seed: int) -> None:
         """A weight sync as a trainer does it: every parameter changed in place."""
-        g = torch.Generator().manual_seed(seed)
-        with self.paused(), torch.no_grad():
-            for p in self.model.parameters():
-                p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * 0.05)
+        with self.paused():
+            perturb(self.model, seed)
 
 
 def _order(step: Step, raw: list[Output]) -> list[Output | None]:

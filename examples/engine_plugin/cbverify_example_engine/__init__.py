@@ -18,6 +18,7 @@ class ExampleEngine:
         per_request_eos=True,
         logprob_semantics="processed",
         claims_batch_invariance=True,
+        follows_weight_updates=True,
     )
 
     def __init__(self, model, *, seed: int = 0, keep: int | None = None):
