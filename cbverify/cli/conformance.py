@@ -15,7 +15,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="built-in names, installed cbverify.engines entry points, or module:factory")  # fmt: skip
     parser.add_argument("--model", default="tiny-llama-arith", help="bundled model name or local checkpoint folder")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                        help="an option for every engine's factory (JSON value when it parses); repeatable")  # fmt: skip
+                        help="an option for every engine's factory (a JSON value when it parses)")  # fmt: skip
     parser.add_argument("--examples", type=int, default=10, help="Hypothesis examples per property")
     parser.add_argument("--markdown", type=Path, default=Path("conformance.md"), help="where the report goes")
     parser.add_argument("-k", dest="keyword", default=None, help="only the properties matching this pytest -k")
