@@ -87,10 +87,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def max_kv_tokens(self) -> int:
-        """The most tokens this sequence ever keeps in the cache: the last sampled token is never written."""
-        return self.num_prompt_tokens + self.max_new_tokens - 1
-
     # --- transitions -------------------------------------------------------------------------------------------
     def append_token(self, token_id: int, logprob: float) -> bool:
         """Record a sampled token; returns True (and sets ``finish_reason``) when the sequence is now complete."""

@@ -234,6 +234,15 @@ def test_without_num_blocks_the_cache_takes_its_memory_fraction_capped_at_what_i
     with pytest.raises(ValueError, match="max_memory_fraction=0.0001 of free memory holds no KV-cache block"):
         LLMEngine(llama.model, EngineConfig(block_size=4, max_memory_fraction=0.0001, max_model_len=64))
     assert kv_cache.free_device_memory(torch.device("cpu")) == 1000 * block_bytes
+    # a bfloat16 model: half the bytes per block, so twice the blocks, and a cache of that dtype (K and V both)
+    import copy
+
+    bf16 = LLMEngine(copy.deepcopy(llama.model).to(torch.bfloat16),
+                     EngineConfig(block_size=4, max_memory_fraction=0.05, max_model_len=64))  # fmt: skip
+    cache = bf16.runner.cache
+    assert bf16.block_manager.num_blocks == 100
+    assert cache.key.dtype == cache.value.dtype == torch.bfloat16
+    assert cache.key.nbytes + cache.value.nbytes == 100 * block_bytes // 2
 
 
 @pytest.mark.parametrize(("prompt_len", "budget"), [(10, 4), (9, 3), (5, 8), (12, 1)])
@@ -253,3 +262,32 @@ def test_the_event_counters_verify_reports_count_what_happened(llama, prompt_len
     assert {k: engine.stats[k] for k in expected} == expected
     engine.generate([RolloutRequest(f"g{i}", prompt, sampling, eos_token_ids=()) for i in range(3)])
     assert engine.stats["num_requests"] == 4
+
+
+def test_requests_exactly_at_the_vocabulary_context_and_memory_limits_are_accepted_and_one_past_refused(llama):
+    """The boundaries, each on both sides: token ids in [0, V); prompt + max_new_tokens <= max_model_len; the cache
+    holds every token but the last sampled one (never written), so 8 blocks of 4 serve 33 tokens, not 34."""
+    vocab = llama.model.config.vocab_size
+
+    def request(prompt_len: int, total: int, last: int = 5) -> RolloutRequest:
+        prompt = (0, *[5] * (prompt_len - 2), last)
+        return RolloutRequest("r", prompt, SamplingParams(temperature=0.0, max_new_tokens=total - prompt_len), 0, ())
+
+    def accepts(engine, r) -> bool:
+        try:
+            engine.add_request(r)
+        except ValueError:
+            return False
+        engine.abort_all()
+        return True
+
+    context = LLMEngine(llama.model, EngineConfig(block_size=4, num_blocks=16, max_model_len=32))
+    assert accepts(context, request(4, 32, last=vocab - 1)) and not accepts(context, request(4, 33))
+    with pytest.raises(ValueError, match="exceeds the model's context of 32"):
+        context.add_request(request(4, 33))
+    with pytest.raises(ValueError, match=f"token id {vocab} outside the vocabulary"):
+        context.add_request(request(4, 8, last=vocab))
+    memory = LLMEngine(llama.model, EngineConfig(block_size=4, num_blocks=8, max_model_len=64))
+    assert accepts(memory, request(4, 33))
+    with pytest.raises(ValueError, match="needs 9 KV-cache blocks of 4 tokens but the memory budget holds 8"):
+        memory.add_request(request(4, 34))

@@ -92,3 +92,13 @@ def test_unsupported_features_are_named_from_the_config_alone():
     assert "['conv']" in " ".join(unsupported_features(Lfm2Config(num_hidden_layers=2, full_attn_idxs=[1])))
     assert "no attention heads" in " ".join(unsupported_features(MambaConfig()))
     assert "ALiBi" in " ".join(unsupported_features(MptConfig()))
+    # each way a config says ALiBi (BLOOM by its type, Falcon by a flag, MPT by its attn_config), and not without it
+    from types import SimpleNamespace
+
+    from transformers import BloomConfig, FalconConfig, PretrainedConfig, T5Config
+
+    for config in (BloomConfig(), FalconConfig(alibi=True), PretrainedConfig(attn_config={"alibi": True})):
+        assert "ALiBi" in " ".join(unsupported_features(config)), config
+    assert not any("ALiBi" in f for f in unsupported_features(FalconConfig()))
+    assert "encoder-decoder" in " ".join(unsupported_features(T5Config()))
+    assert unsupported_features(SimpleNamespace(num_attention_heads=4)) == []  # no optional field: nothing to refuse
