@@ -115,3 +115,19 @@ def test_cb_generate_equals_incremental_arrivals_for_the_same_requests(llama, sh
                for a, b in zip(x.logprobs, y.logprobs, strict=True)) <= 2 * FP32.logprob_max_abs  # fmt: skip
     repro = f"incremental arrivals, sharing={sharing}"
     assert_matches_reference(model, requests, incremental, engine="cb_impl", repro=repro)
+
+
+def test_with_sharing_off_every_prompt_is_prefilled_and_the_token_counters_add_up(llama):
+    """``enable_prefix_sharing=False``: no group shares a prefill, every prompt token goes through the model, and
+    the counters (what verify and the benchmarks report) equal counts made from the requests and rollouts."""
+    model, _ = llama
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=64, enable_prefix_sharing=False))
+    assert engine.stats["num_prefill_tokens"] == 0
+    requests = _grpo_batch(num_prompts=2, group=3, max_new_tokens=5)
+    got = engine.generate(requests)
+    assert_matches_reference(model, requests, got, engine="cb_impl")
+    stats = engine.stats
+    assert stats["num_shared_prefills"] == 0
+    assert stats["num_prefill_tokens"] == sum(len(r.prompt_ids) for r in requests)
+    assert stats["num_decode_tokens"] == sum(len(r.completion_ids) - 1 for r in got)
+    assert stats["num_generated_tokens"] == sum(len(r.completion_ids) for r in got)

@@ -158,6 +158,7 @@ def test_preempting_a_parent_mid_prefill_sends_its_group_back_in_order_and_frees
     sched.preempt(parent)
     assert [s.seq_id for s in sched.waiting] == [0, 1, 2, 3] and not sched.running
     assert all(s.parent is None and not s.followers and s.status is SequenceStatus.WAITING for s in group)
+    assert all(s.num_computed_tokens == 0 for s in group), "a preempted sequence keeps no computed tokens"
     assert bm.num_free_blocks == 8 and sched.num_preemptions == 3
     bm.check_invariants(sched.running)
 
