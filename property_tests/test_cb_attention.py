@@ -97,13 +97,14 @@ def test_a_group_masks_exactly_the_causal_window_of_each_query(chunks, window):
             assert group.q_pos[s, :n].tolist() == [start + q for q in range(n)]
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gpt_oss", "mistral"])
+@pytest.mark.parametrize("arch", ["gemma2", "gpt_oss", "mistral", "gpt2"])
 @pytest.mark.parametrize("gather_budget", [GATHER_BUDGET, 1], ids=["one-slice", "a-sequence-per-slice"])
 def test_paged_attention_in_the_engine_is_exact_on_soft_capped_sink_and_windowed_models(arch, gather_budget, tmp_path):
     """cb_impl against the oracle through the whole engine on the zoo's soft-capped + windowed (gemma2), sink
-    (gpt_oss) and windowed (mistral) checkpoints: GRPO groups with prompts longer than the window, chunked prefill,
-    and the gathered K/V sliced one sequence at a time or not at all (the attention unit tests above call the math
-    directly; here the engine's paged path must route soft-cap, sinks and windows to it)."""
+    (gpt_oss) and windowed (mistral) checkpoints, and gpt2 (its config has no ``num_key_value_heads``): GRPO groups
+    with prompts longer than the window, chunked prefill, and the gathered K/V sliced one sequence at a time or not at
+    all (the attention unit tests above call the math directly; here the engine's paged path must route soft-cap,
+    sinks and windows to it)."""
     model, _ = zoo.load(arch, tmp_path)
     problems = tasks.make_problems(3, seed=5, max_terms=4)
     sampling = SamplingParams(temperature=1.0, top_k=5, max_new_tokens=6)

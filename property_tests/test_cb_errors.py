@@ -291,3 +291,17 @@ def test_requests_exactly_at_the_vocabulary_context_and_memory_limits_are_accept
     assert accepts(memory, request(4, 33))
     with pytest.raises(ValueError, match="needs 9 KV-cache blocks of 4 tokens but the memory budget holds 8"):
         memory.add_request(request(4, 34))
+
+
+def test_the_default_config_with_a_progress_bar_and_an_idle_step_change_nothing(llama):
+    """No config means ``EngineConfig()``; a progress bar is display only; a step with nothing scheduled returns
+    nothing, touches no block and leaves the engine usable."""
+    engine = LLMEngine(llama.model)
+    assert engine.config == EngineConfig()
+    with engine.runner.attached():
+        assert engine.step() == []
+    assert not engine.has_unfinished()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    sampling = SamplingParams(temperature=1.0, top_k=10, max_new_tokens=6)
+    requests = [RolloutRequest(f"r{i}", (1, 6, 5, 16, 7), sampling, seed=i, eos_token_ids=(2,)) for i in range(3)]
+    assert_matches_reference(llama.model, requests, engine.generate(requests, progress=True), engine="cb_impl")
