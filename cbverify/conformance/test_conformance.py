@@ -49,13 +49,17 @@ def _assert_matches_oracle(engine, model, requests, got) -> None:
         if q.sampling.greedy or engine.capabilities.spec_sampling:
             div = compare.compare_tokens(model, q, want, r, engine=engine.name, tier=FP32)
             assert div is None or div.accepted, div.describe()
+    if engine.capabilities.logprob_semantics != "none":
+        _assert_logprobs_match_teacher_forcing(engine, model, requests, got)
+
+
+def _assert_logprobs_match_teacher_forcing(engine, model, requests, got) -> None:
     semantics = engine.capabilities.logprob_semantics
-    if semantics != "none":
-        diff = compare.logprob_diffs(got, compare.teacher_forced_logprobs(model, requests, got, semantics), requests)
-        assert diff.max_abs <= FP32.logprob_max_abs and diff.mean_abs <= FP32.logprob_mean_abs, (
-            f"declared {semantics!r}: max |dlogp| {diff.max_abs:.3g} at {diff.worst_request!r}[{diff.worst_position}],"
-            f" mean {diff.mean_abs:.3g}"
-        )
+    diff = compare.logprob_diffs(got, compare.teacher_forced_logprobs(model, requests, got, semantics), requests)
+    assert diff.max_abs <= FP32.logprob_max_abs and diff.mean_abs <= FP32.logprob_mean_abs, (
+        f"declared {semantics!r}: max |dlogp| {diff.max_abs:.3g} at {diff.worst_request!r}[{diff.worst_position}], "
+        f"mean {diff.mean_abs:.3g}"
+    )
 
 
 @CHECKED
@@ -87,13 +91,7 @@ def test_returned_logprobs_equal_the_oracles_teacher_forcing_in_the_declared_sem
     if engine.capabilities.logprob_semantics == "none":
         pytest.skip("the engine declares logprob_semantics='none'")
     _outside_declared_deviations(engine, requests)
-    got = engine.generate(requests)
-    expected = compare.teacher_forced_logprobs(conformance_model, requests, got, engine.capabilities.logprob_semantics)
-    diff = compare.logprob_diffs(got, expected, requests)
-    assert diff.max_abs <= FP32.logprob_max_abs and diff.mean_abs <= FP32.logprob_mean_abs, (
-        f"declared {engine.capabilities.logprob_semantics!r}: max |dlogp| {diff.max_abs:.3g} at "
-        f"{diff.worst_request!r}[{diff.worst_position}], mean {diff.mean_abs:.3g}"
-    )
+    _assert_logprobs_match_teacher_forcing(engine, conformance_model, requests, engine.generate(requests))
 
 
 @CHECKED
