@@ -42,8 +42,7 @@ class ModelRunner:
         self.cache = PagedKVCache(num_layers=self.num_layers, num_blocks=num_blocks, block_size=config.block_size,
                                   num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
                                   device=self.device)  # fmt: skip
-        upcast = config.float64_attention if config.float64_attention is not None else self.device.type == "cpu"
-        self.attention = PagedAttention(self.cache, torch.float64 if upcast else None)
+        self.attention = PagedAttention(self.cache, torch.float64 if config.float64_attention else None)
         self.attention._targets(model)  # a model that refuses a custom attention fails here, not at the first step
         self._depth = 0
         self.num_pairs = 0
