@@ -1,41 +1,65 @@
-"""Counter-based Gumbel noise, bit-identical to ``reference.spec`` but with fewer tensor passes.
+"""Counter-based Gumbel noise, bit-identical to ``reference.spec``, and the Gumbel race run only where a token can win.
 
 Oracle: ``reference.spec.noise_keys`` / ``noise_bits`` / ``bits_to_gumbel`` / ``gumbel_noise`` (``test_cb_sampler``
-compares the bits over the full 32-bit range). The spec multiplies in 16-bit halves so int64 never overflows
-(8 elementwise passes per multiply). Here the multiply splits the *constant* instead, which keeps the low 32 bits
-exact with 5 passes, and every intermediate is updated in place (no temporaries per pass): the full-vocabulary
-noise of a sampled row is about 2x cheaper. Products stay below 2**48 and shifted terms are masked first, so nothing
-overflows and the bits are the same on every device.
+compares the bits over the full 32-bit range and the race against the full-vocabulary argmax).
+
+- Bits: the spec multiplies in 16-bit halves so int64 never overflows. Here the hash runs on int32 tensors holding
+  the 32 bits in two's complement: a product mod 2**32 has the same bits signed or unsigned, and a logical shift is an
+  arithmetic one with the sign bits masked off. Half the bytes and a third of the passes of the int64 form.
+- Race: the token is ``argmax_v(lp_v + g_v)`` with ``g = -log(-log u)``, ``u = (bits + 0.5) / 2**32``. Since
+  ``-log u >= 1 - u``, ``g <= -log(1 - u) = 32 ln 2 - ln(c + 0.5)`` with ``c = 2**32 - 1 - bits``, and for ``c >= 1``
+  ``ln(c + 0.5) >= floor(log2 c) ln 2``, read exactly off ``c``'s float64 exponent (``c = 0``: the bound is huge,
+  still a bound). So ``lp_v + (32 - floor(log2 c_v)) ln 2`` bounds each score from above with integer work only; any
+  token whose bound is below the exact score of one token (the one with the largest bound) cannot win, and the two
+  logarithms are computed for the few tokens left (a flat row of 4096 tokens keeps a handful). Tokens removed by a
+  processor (-inf) are never candidates.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from reference.spec import MASK32, MIX_MUL1, MIX_MUL2, noise_keys
 
-__all__ = ["fast_bits_to_gumbel", "fast_gumbel_noise", "fast_noise_bits", "noise_keys"]
+__all__ = ["fast_bits_to_gumbel", "fast_gumbel_noise", "fast_noise_bits", "gumbel_race", "gumbel_upper_bound"]
+
+_BOUND_MARGIN = 1e-3  # far above the float32 rounding of a bound (~1e-5 at |score| ~ 250); only widens the candidates
 
 
-def _mul32_(x: torch.Tensor, c: int) -> torch.Tensor:
-    """In place: ``x = (x * c) mod 2**32`` for int64 ``x`` in [0, 2**32); returns ``x``."""
-    hi = x * (c >> 16)  # < 2**48
-    hi.bitwise_and_(0xFFFF).bitwise_left_shift_(16)  # only bits 16..31 of (x * c_hi) << 16 survive the mod
-    return x.mul_(c & 0xFFFF).add_(hi).bitwise_and_(MASK32)  # x * c_lo < 2**48
+def _int32(x: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2**32) -> int32 tensors with the same 32 bits (two's complement), without overflow."""
+    return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)
 
 
-def _mix32_(x: torch.Tensor) -> torch.Tensor:
-    """In place lowbias32 (``reference.spec.mix32``); returns ``x``."""
-    x.bitwise_xor_(x >> 16)
-    _mul32_(x, MIX_MUL1)
-    x.bitwise_xor_(x >> 15)
-    _mul32_(x, MIX_MUL2)
-    return x.bitwise_xor_(x >> 16)
+def _signed(c: int) -> int:
+    return c - 2**32 if c >= 2**31 else c
+
+
+def _xorshift_(x: torch.Tensor, n: int) -> None:
+    """In place ``x ^= x >>> n`` (logical shift) on int32 bits."""
+    x.bitwise_xor_((x >> n).bitwise_and_((1 << (32 - n)) - 1))
+
+
+def _bits32(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """lowbias32 (``reference.spec.mix32``) of ``keys ^ token_ids``: int32 tensors of the 32 uniform bits."""
+    x = _int32(keys) ^ _int32(token_ids.to(torch.int64))
+    _xorshift_(x, 16)
+    x.mul_(_signed(MIX_MUL1))
+    _xorshift_(x, 15)
+    x.mul_(_signed(MIX_MUL2))
+    _xorshift_(x, 16)
+    return x
+
+
+def _unsigned(bits32: torch.Tensor) -> torch.Tensor:
+    return bits32.to(torch.int64).bitwise_and_(MASK32)
 
 
 def fast_noise_bits(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """``reference.spec.noise_bits``: 32 uniform bits per (key, token), broadcasting like ``keys ^ token_ids``."""
-    return _mix32_(keys ^ token_ids.to(torch.int64))
+    """``reference.spec.noise_bits``: int64 bits in [0, 2**32) per (key, token), broadcasting like ``keys ^ ids``."""
+    return _unsigned(_bits32(keys, token_ids))
 
 
 def fast_bits_to_gumbel(bits: torch.Tensor) -> torch.Tensor:
@@ -49,3 +73,30 @@ def fast_gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: 
     keys = noise_keys(seeds, positions)  # (B,)
     vocab = torch.arange(vocab_size, dtype=torch.int64, device=keys.device)  # (V,)
     return fast_bits_to_gumbel(fast_noise_bits(keys[:, None], vocab[None, :]))  # (B, V)
+
+
+def gumbel_upper_bound(bits: torch.Tensor) -> torch.Tensor:
+    """float32 ``(32 - floor(log2 c)) ln 2 + margin`` with ``c = 2**32 - 1 - bits`` (int32 bits): at least
+    ``bits_to_gumbel(bits)``. ``floor(log2 c)`` is read off the float32 exponent of ``c >> 8``, exact below 2**24
+    (``c < 256`` reads as ``c = 0``: a bound of 151 ln 2, above any noise)."""
+    m = (bits.bitwise_not() >> 8).bitwise_and_(0xFFFFFF).float()  # (...) c >> 8, exact in float32
+    exponent = m.view(torch.int32) >> 23  # 127 + floor(log2 c) - 8; 0 for m = 0
+    return (151 - exponent).float().mul_(math.log(2)).add_(_BOUND_MARGIN)
+
+
+def gumbel_race(processed: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``argmax_v(processed.double() + gumbel_noise(seeds, positions, V))`` per row (R,), lowest id on ties, with
+    exact noise only for the tokens whose upper bound reaches one token's exact score (see the module docstring)."""
+    rows, vocab = processed.shape
+    keys = noise_keys(seeds, positions)  # (R,)
+    bits = _bits32(keys[:, None], torch.arange(vocab, device=keys.device)[None, :])  # (R, V) int32
+    bound = gumbel_upper_bound(bits).add_(processed)  # (R, V) float32, >= each token's score
+    anchor = bound.argmax(dim=-1, keepdim=True)  # (R, 1) a token with a finite log-prob and a large bound
+    floor = processed.gather(1, anchor).double() + fast_bits_to_gumbel(_unsigned(bits.gather(1, anchor)))  # (R, 1)
+    r, v = (bound >= floor.float()).nonzero(as_tuple=True)  # (N,) each, row-major: the tokens that can win
+    score = processed[r, v].double() + fast_bits_to_gumbel(_unsigned(bits[r, v]))  # (N,) exact scores
+    best = torch.full((rows,), float("-inf"), dtype=torch.float64, device=score.device)
+    best.scatter_reduce_(0, r, score, "amax")  # (R,)
+    winners = score == best[r]  # (N,) the row's maximum, possibly tied
+    tokens = torch.full((rows,), vocab, dtype=torch.int64, device=score.device)
+    return tokens.scatter_reduce_(0, r[winners], v[winners], "amin")  # lowest id among tied maxima

@@ -7,12 +7,8 @@ transformers' semantics (``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``To
 ``argmax(processed_logprobs.double() + gumbel_noise(seed, position, V))``. Oracle: ``reference.generate``'s
 processing and sampling (independent code; the exactness properties compare the two).
 
-Noise shortcut: a row with top-k keeps only tokens scoring >= its k-th largest score, and later processors only
-remove more, so every other token is -inf and cannot win the argmax. When exactly ``k`` tokens pass (no tie at the
-boundary) the noise is computed for those ``k`` candidates only, sorted by token id so that argmax ties still go to
-the lowest id: bit-identical tokens to the full definition (``test_cb_sampler`` checks it on tie-heavy logits).
-Rows with a boundary tie, or no top-k, get full-vocabulary noise. Greedy rows get none. The noise comes from
-``cb_impl.noise`` (bit-identical to ``reference.spec``'s, about 2x cheaper).
+Noise: greedy rows get none; sampled rows run ``cb_impl.noise.gumbel_race``, which computes the exact noise only for
+the tokens that can still win (bit-identical tokens to the full definition, lowest id on ties).
 """
 
 from __future__ import annotations
@@ -22,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cb_impl.noise import fast_bits_to_gumbel, fast_gumbel_noise, fast_noise_bits, noise_keys
+from cb_impl.noise import gumbel_race
 from reference.spec import SamplingParams
 
 
@@ -70,21 +66,16 @@ def build_sampling_batch(
     )
 
 
-def process_logits(logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Sampled rows' float32 logits (Rs, V) -> (processed log-probs (Rs, V), top-k candidate ids (Rs, K) or None,
-    whether the row may use the candidate shortcut (Rs,) bool)."""
-    rs, vocab = logits.shape
+def process_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Sampled rows' float32 logits (Rs, V) -> processed log-probs (Rs, V)."""
+    vocab = logits.shape[1]
     scores = logits.float() / b.temperature[:, None]  # (Rs, V)
-    candidates, shortcut = None, torch.zeros(rs, dtype=torch.bool, device=logits.device)
     if b.max_top_k > 0:
         k = b.top_k.clamp(max=vocab)  # (Rs,) transformers: top_k = min(top_k, V)
         top = torch.topk(scores, min(b.max_top_k, vocab), dim=-1)  # (Rs, K)
         kth = top.values.gather(1, (k - 1).clamp(min=0)[:, None])  # (Rs, 1)
         on = (k > 0)[:, None]  # (Rs, 1)
-        passing = scores >= kth  # (Rs, V)
-        scores = scores.masked_fill(~passing & on, float("-inf"))
-        candidates = top.indices
-        shortcut = (k > 0) & (k < vocab) & (passing.sum(-1) == k)  # (Rs,) no tie at the k-th score
+        scores = scores.masked_fill((scores < kth) & on, float("-inf"))
     if b.any_top_p:
         sorted_scores, sorted_ids = torch.sort(scores, dim=-1, descending=False, stable=True)  # (Rs, V)
         cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)  # (Rs, V)
@@ -95,30 +86,7 @@ def process_logits(logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor
         probs = scores.softmax(dim=-1)  # (Rs, V)
         remove = probs < b.min_p[:, None] * probs.amax(dim=-1, keepdim=True)  # never the top token: min_p <= 1
         scores = scores.masked_fill(remove, float("-inf"))
-    return scores.log_softmax(dim=-1), candidates, shortcut
-
-
-def choose_tokens(
-    processed: torch.Tensor, candidates: torch.Tensor | None, shortcut: torch.Tensor, b: SamplingBatch
-) -> torch.Tensor:
-    """``argmax(processed.double() + gumbel)`` per row (Rs,), with the candidate shortcut where allowed."""
-    rs, vocab = processed.shape
-    tokens = torch.empty(rs, dtype=torch.int64, device=processed.device)
-    use_short = shortcut.tolist() if candidates is not None else [False] * rs  # one host sync per step
-    short = [i for i, s in enumerate(use_short) if s]
-    full = [i for i, s in enumerate(use_short) if not s]
-    if full:
-        idx = torch.tensor(full, device=processed.device)
-        noise = fast_gumbel_noise(b.seeds[idx], b.positions[idx], vocab)  # (F, V) float64
-        tokens[idx] = noise.add_(processed[idx]).argmax(dim=-1)  # float32 + float64 promotes exactly
-    if short:
-        idx = torch.tensor(short, device=processed.device)
-        keys = noise_keys(b.seeds[idx], b.positions[idx])  # (S,)
-        cand = candidates[idx].sort(dim=-1).values  # (S, K) ascending ids: argmax ties -> lowest id
-        noise = fast_bits_to_gumbel(fast_noise_bits(keys[:, None], cand))  # (S, K) float64
-        scores = processed[idx].gather(1, cand).double() + noise  # (S, K)
-        tokens[idx] = cand.gather(1, scores.argmax(dim=-1, keepdim=True)).squeeze(1)
-    return tokens
+    return scores.log_softmax(dim=-1)
 
 
 def sample(logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,8 +103,8 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, torch.
         logprobs[idx] = greedy_logits.log_softmax(dim=-1).gather(1, chosen[:, None]).squeeze(1)
     if b.sampled_rows:
         idx = torch.tensor(b.sampled_rows, device=logits.device)
-        processed, candidates, shortcut = process_logits(logits[idx], b)  # (Rs, V)
-        chosen = choose_tokens(processed, candidates, shortcut, b)  # (Rs,)
+        processed = process_logits(logits[idx], b)  # (Rs, V)
+        chosen = gumbel_race(processed, b.seeds, b.positions)  # (Rs,)
         tokens[idx] = chosen
         logprobs[idx] = processed.gather(1, chosen[:, None]).squeeze(1)
     return tokens, logprobs

@@ -1,14 +1,16 @@
-"""cb_impl's vectorised sampler against the definition (``reference.generate``), and its top-k noise shortcut
-against full-vocabulary noise. No model: logits are drawn directly, tie-heavy on purpose."""
+"""cb_impl's vectorised sampler against the definition (``reference.generate``), and its pruned Gumbel race against
+full-vocabulary noise. No model: logits are drawn directly, tie-heavy on purpose."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from cb_impl.noise import fast_bits_to_gumbel, fast_gumbel_noise, fast_noise_bits
-from cb_impl.sampler import build_sampling_batch, choose_tokens, process_logits, sample
+from cb_impl.noise import fast_bits_to_gumbel, fast_gumbel_noise, fast_noise_bits, gumbel_race, gumbel_upper_bound
+from cb_impl.sampler import build_sampling_batch, process_logits, sample
 from cbverify.tolerances import FP32, SAME_LOGITS_ATOL
 from property_tests.strategies import logits_batches, sampling_params, seeds
 from reference.generate import choose_token
@@ -25,18 +27,18 @@ def _rows(draw, n: int, *, greedy: bool | None = None) -> tuple[list[SamplingPar
 
 @given(logits=logits_batches(), data=st.data())
 @example(logits=torch.tensor([[1.0, 1.0, 1.0, 0.0]]), data=None)
-def test_cb_topk_noise_shortcut_gives_bit_identical_tokens_to_full_vocabulary_noise(logits, data):
+def test_cb_gumbel_race_gives_bit_identical_tokens_to_full_vocabulary_noise(logits, data):
     rows = logits.shape[0]
-    if data is None:  # pinned: a 3-way tie at the top-2 boundary must fall back to full noise
+    if data is None:  # pinned: a 3-way tie at the top-2 boundary
         params, seeds, positions = [SamplingParams(temperature=1.0, top_k=2)], [5], [0]
     else:
         params, seeds, positions = _rows(data.draw, rows, greedy=False)
     b = build_sampling_batch(params, seeds, positions, logits.device)
-    processed, candidates, shortcut = process_logits(logits, b)
-    fast = choose_tokens(processed, candidates, shortcut, b)
+    processed = process_logits(logits, b)
+    fast = gumbel_race(processed, b.seeds, b.positions)
     noise = gumbel_noise(torch.tensor(seeds), torch.tensor(positions), logits.shape[1])  # (R, V) the definition
     full = (processed.double() + noise).argmax(dim=-1)
-    assert torch.equal(fast, full), (fast, full, shortcut)
+    assert torch.equal(fast, full), (fast, full)
 
 
 def _decision_gap(logits: torch.Tensor, p: SamplingParams, seed: int, position: int) -> float:
@@ -97,18 +99,38 @@ def test_cb_fast_noise_has_the_same_bits_as_the_reference_noise_over_the_whole_3
     assert torch.equal(fast_gumbel_noise(s, p, vocab), gumbel_noise(s, p, vocab))
 
 
-def test_the_top_k_shortcut_is_taken_only_where_it_cannot_change_the_token():
-    """Rows with a tie at the k-th score, top-k off beside a top-k row, several rows at once: over many seeds the
-    candidate shortcut picks what the full-vocabulary Gumbel race picks (a shortcut taken at a tie, or for a row whose
-    top-k is off, would drop a token that wins for some seed)."""
-    logits = torch.tensor([[1.0, 1.0, 1.0, 0.0, -1.0], [2.0, 0.5, 0.4, 0.3, 0.2], [0.3, 0.2, 0.1, 0.0, -0.1]])
+def test_the_gumbel_bound_holds_over_the_whole_32_bit_range_and_is_tight_to_a_factor_two():
+    """The race prunes a token whose score bound is below another token's exact score, so the bound must hold for
+    every 32-bit value: all powers of two of ``c = 2**32 - 1 - bits`` and their neighbours (where ``floor(log2 c)``
+    steps), both ends, and a million random values. A bound one step too tight fails at ``c = 2**k``."""
+    c = torch.tensor([0, 1, 2, 3] + [v for k in range(2, 32) for v in (2**k - 1, 2**k, 2**k + 1)] + [2**32 - 1])
+    c = torch.cat([c, torch.randint(0, 2**32, (1_000_000,))])
+    bits = 2**32 - 1 - c  # int64 in [0, 2**32)
+    exact = bits_to_gumbel(bits)
+    bound = gumbel_upper_bound(torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32))
+    assert (bound >= exact).all(), bits[bound < exact][:5]
+    # for u >= 1/2 (c < 2**31) and c >= 256 (below, the bound is a constant above any noise) the bound is within
+    # ln(2 + 1/(2c)) of -log(1 - u), itself within 0.33 of the noise
+    top = (c >= 256) & (c < 2**31)
+    assert (bound[top] - exact[top] <= math.log(2.5) + 0.33).all()
+    assert (bound - exact).min() < 2e-3, "the bound touches the noise (+ its margin) where c is a power of two"
+
+
+def test_the_gumbel_race_keeps_ties_removed_tokens_and_single_token_rows_exact():
+    """Rows with a three-way tie, a top-k-off row beside top-k rows, a row with one token left, and flat rows of a
+    large vocabulary (where the pruning keeps least margin), over many seeds: the pruned race picks what the
+    full-vocabulary Gumbel race picks."""
+    logits = torch.tensor([[1.0, 1.0, 1.0, 0.0, -1.0], [2.0, 0.5, 0.4, 0.3, 0.2], [0.3, 0.2, 0.1, 0.0, -0.1],
+                           [5.0, -1.0, -1.0, -1.0, -1.0]])  # fmt: skip
     params = [SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0, top_k=0),
-              SamplingParams(temperature=1.0, top_k=3)]  # fmt: skip
+              SamplingParams(temperature=1.0, top_k=3), SamplingParams(temperature=1.0, top_k=1)]  # fmt: skip
+    flat = torch.zeros(3, 4096)
+    flat[1, ::2] = 1e-6  # near-ties everywhere
     for seed in range(60):
-        seeds, positions = [seed, seed + 1, seed + 2], [0, 3, 7]
-        b = build_sampling_batch(params, seeds, positions, logits.device)
-        processed, candidates, shortcut = process_logits(logits, b)
-        assert shortcut.tolist() == [False, False, True], "shortcut only for the untied top-k row"
-        fast = choose_tokens(processed, candidates, shortcut, b)
-        full = (processed.double() + gumbel_noise(torch.tensor(seeds), torch.tensor(positions), 5)).argmax(dim=-1)
-        assert torch.equal(fast, full), (seed, fast, full)
+        for rows, ps in ((logits, params), (flat, [SamplingParams(temperature=1.0)] * 3)):
+            seeds, positions = [seed + i for i in range(len(ps))], [3 * i for i in range(len(ps))]
+            b = build_sampling_batch(ps, seeds, positions, rows.device)
+            processed = process_logits(rows, b)
+            fast = gumbel_race(processed, b.seeds, b.positions)
+            noise = gumbel_noise(torch.tensor(seeds), torch.tensor(positions), rows.shape[1])
+            assert torch.equal(fast, (processed.double() + noise).argmax(dim=-1)), (seed, fast)
