@@ -8,6 +8,7 @@ import pytest
 from PIL import Image
 
 from cbverify.bench import report
+from cbverify.bench.grpo_step import pool_rounds
 from cbverify.bench.suite import SuiteConfig, check_case, evaluate_targets, ratios, read_logs, token_agreement
 from cbverify.bench.timed import ENGINES
 from cbverify.bench.workloads import make_requests, make_workload
@@ -62,9 +63,14 @@ def test_ratios_and_targets_compare_engines_of_the_same_workload_and_n():
     assert rows[(64, "cb_impl")]["throughput_vs_transformers-cb"] == pytest.approx(5.0)
     assert rows[(64, "cb_impl")]["kv_vs_hf-generate"] == pytest.approx(0.3)
     assert "throughput_vs_transformers-cb" not in rows[(8, "cb_impl")], "no peer at N=8: no ratio"
-    met = {t["target"].split(":")[1].strip(): t for t in evaluate_targets(records)}
-    assert [t["met"] for t in met.values()] == [True, True, True, False]
-    assert met["cb_impl tokens_per_s / hf-generate >= 0.9"]["value"] == pytest.approx(0.8)
+    met = {t["target"]: t for t in evaluate_targets(records)}
+    assert met["gsm8k-like N=64: cb_impl tokens_per_s / hf-generate >= 1.0"]["met"] is True
+    assert met["gsm8k-like N=64: cb_impl tokens_per_s / hf-generate >= 3.0"]["met"] is False
+    assert met["gsm8k-like N=64: cb_impl tokens_per_s / transformers-cb >= 4.0"]["met"] is True
+    assert met["gsm8k-like N=64: cb_impl kv_reserved_bytes / hf-generate <= 0.4"]["met"] is True
+    assert met["gsm8k-like N=8: cb_impl tokens_per_s / hf-generate >= 1.0"]["value"] == pytest.approx(0.8)
+    assert met["gsm8k-like N=8: cb_impl tokens_per_s / hf-generate >= 1.0"]["met"] is False
+    assert met["uniform N=8: cb_impl tokens_per_s / hf-generate >= 1.0"]["met"] is None, "no records: not judged"
 
 
 def test_greedy_token_agreement_is_measured_against_cb_impl():
@@ -79,8 +85,13 @@ def test_the_report_writes_json_markdown_and_plots_with_the_environment_in_each(
     records = [record(e, n, 10.0 * n, 1000 * n) for n in (8, 32) for e in ENGINES]
     records.append({"engine": "cb_impl", "workload": "uniform", "n": 8, "error": "RuntimeError: boom",
                     "check_problems": ["engine error: boom"]})  # fmt: skip
-    grpo = {"setup": "s", "rows": [{"path": "generate", "n": 8, "step_s": 2.0, "peak_memory_mb": 500.0},
-                                   {"path": "cb_impl", "n": 8, "step_s": 1.0, "peak_memory_mb": 450.0}]}  # fmt: skip
+    grpo = {"setup": "s", "rows": pool_rounds([
+        {"path": "generate", "n": 8, "step_times_s": [9.0, 2.0, 3.0], "generation_s": [5.0, 1.0, 1.5],
+         "peak_memory_mb": 500.0},
+        {"path": "generate", "n": 8, "step_times_s": [9.0, 1.0], "generation_s": [5.0, 0.5], "peak_memory_mb": 510.0},
+        {"path": "cb_impl", "n": 8, "step_times_s": [9.0, 1.0, 1.0, 5.0], "generation_s": None,
+         "peak_memory_mb": 460.0},
+    ])}  # fmt: skip
     result = {"config": {}, "cases": records, "ratios": ratios(records), "targets": evaluate_targets(records),
               "grpo": grpo}  # fmt: skip
     paths = report.write(result, tmp_path)
@@ -88,7 +99,10 @@ def test_the_report_writes_json_markdown_and_plots_with_the_environment_in_each(
     assert all(p.stat().st_size > 0 for p in paths)
     md = (tmp_path / "results.md").read_text()
     assert report.env_line(ENV) in md and "ERROR: RuntimeError: boom" in md
-    assert "| 8 | cb_impl | 1.00 | 2.00 | 450 | -50 |" in md, "GRPO speedup and memory delta vs generate()"
+    # pooled without each round's warm-up: generate 2, 3, 1 (median 2, share 3 / 6), cb_impl 1, 1, 5 (median 1)
+    assert "| 8 | generate | 2.00 | 1.00 - 3.00 | 1.00 | 50% | 510 | +0 |" in md, "median, spread, share, peak"
+    assert "| 8 | cb_impl | 1.00 | 1.00 - 5.00 | 2.00 | n/a | 460 | -50 |" in md, "speedup and memory delta"
+    assert "| GRPO step N=8: cb_impl speedup vs generate() >= 1.0 | 2.000 | yes |" in md
     assert json.loads((tmp_path / "results.json").read_text())["env"] == ENV
     with Image.open(tmp_path / "throughput.png") as png:
         assert png.text["Description"] == report.env_line(ENV)

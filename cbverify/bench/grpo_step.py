@@ -6,8 +6,11 @@ Paths: ``generate`` (TRL's default), ``transformers-cb`` (``use_transformers_con
 ``max_memory_percent=0.5``; on CPU also explicit ``num_blocks`` / ``max_batch_tokens``), ``cb_impl``
 (``rollout_func=cb_impl.trl.make_rollout_func(...)``). The task is the arithmetic one (``reference.tasks``) on the
 bundled ``tiny-llama-arith`` (natural EOS, exact-answer reward), ``num_prompts`` prompts x N generations per step.
-Each path runs in its own process (N ascending, so the lifetime peak RSS after case N is case N's); the first
-``steps`` is a warm-up and is left out of the median step time.
+Each path runs in its own process (N ascending, so the lifetime peak RSS after case N is case N's), ``rounds``
+times, the paths alternating (A B C, then C B A, ...) so that a drift of the machine reaches every path alike. In each
+process the first of ``steps`` is a warm-up; the median and the spread (min, max) are over the other steps of every
+round pooled. The generation share is the time spent in the trainer's ``_generate`` over the step time (the same
+steps), where the TRL release has that method.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ MAX_COMPLETION = 128
 class GrpoConfig:
     device: str = "cpu"
     ns: tuple[int, ...] = (8, 32, 64)
-    steps: int = 3
+    steps: int = 5
+    rounds: int = 2
     num_prompts: int = 2
     model: str = "tiny-llama-arith"
     threads: int = 2
@@ -50,6 +54,8 @@ class GrpoConfig:
     def __post_init__(self) -> None:
         if self.steps < 2:
             raise ValueError(f"steps must be >= 2 (the first is a warm-up), got {self.steps}")
+        if self.rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {self.rounds}")
         if not self.ns or min(self.ns) < 2:
             raise ValueError(f"ns must be integers >= 2 (GRPO needs a group), got {list(self.ns)}")
         if not set(self.paths) <= set(PATHS) or not self.paths:
@@ -90,6 +96,7 @@ def run_case(path: str, n: int, cfg: GrpoConfig, out_dir: str) -> dict:
         dataloader_num_workers=0, shuffle_dataset=False, **extra,
     )  # fmt: skip
     times: list[float] = []
+    generation: list[float] = []  # per step: seconds inside the trainer's _generate
 
     class StepClock(TrainerCallback):
         def on_train_begin(self, *a, **k):
@@ -97,6 +104,7 @@ def run_case(path: str, n: int, cfg: GrpoConfig, out_dir: str) -> dict:
 
         def on_step_begin(self, *a, **k):
             self.t = measure.clock(cfg.device)
+            generation.append(0.0)
 
         def on_step_end(self, *a, **k):
             times.append(measure.clock(cfg.device) - self.t)
@@ -111,14 +119,52 @@ def run_case(path: str, n: int, cfg: GrpoConfig, out_dir: str) -> dict:
         callbacks=[clock],
         rollout_func=_rollout_func(model, cfg) if path == "cb_impl" else None,
     )
+    timed_generation = hasattr(trainer, "_generate")  # TRL 1.x; a release without it reports no share
+    if timed_generation:
+        inner = trainer._generate
+
+        def _generate(*a, **k):
+            t = measure.clock(cfg.device)
+            try:
+                return inner(*a, **k)
+            finally:
+                generation[-1] += measure.clock(cfg.device) - t
+
+        trainer._generate = _generate
     base_rss = measure.rss_mb()
     trainer.train()
     memory = measure.peak_memory(cfg.device, getattr(clock, "base", 0.0), base_rss)
     if len(times) != cfg.steps:
         raise RuntimeError(f"expected {cfg.steps} timed steps, got {len(times)}")
     lengths = [h.get("completions/mean_length") for h in trainer.state.log_history if "completions/mean_length" in h]
-    return {"path": path, "n": n, "batch": batch, "step_s": statistics.median(times[1:]), "step_times_s": times,
+    return {"path": path, "n": n, "batch": batch, "step_times_s": times,
+            "generation_s": generation if timed_generation else None,
             "mean_completion_length": lengths[-1] if lengths else None, **memory}  # fmt: skip
+
+
+def pool_rounds(rows: list[dict]) -> list[dict]:
+    """One row per (path, N) from every round's rows: step times without each round's warm-up, their median and
+    spread, the generation share over the same steps, the largest peak memory."""
+    by: dict[tuple[str, int], list[dict]] = {}
+    for r in rows:
+        by.setdefault((r["path"], r["n"]), []).append(r)
+    pooled = []
+    for group in by.values():
+        errors = [r for r in group if "error" in r]
+        if errors:
+            pooled.append(errors[0])
+            continue
+        steps = [t for r in group for t in r["step_times_s"][1:]]
+        gens = (
+            [g for r in group for g in (r["generation_s"] or [])[1:]] if all(r["generation_s"] for r in group) else []
+        )
+        pooled.append(group[0] | {
+            "rounds": len(group), "timed_steps": len(steps), "step_times_s": steps, "step_s": statistics.median(steps),
+            "step_min_s": min(steps), "step_max_s": max(steps),
+            "generation_share": sum(gens) / sum(steps) if gens else None,
+            "peak_memory_mb": max(r["peak_memory_mb"] for r in group),
+        })  # fmt: skip
+    return pooled
 
 
 def run_grpo(cfg: GrpoConfig, out_dir: Path, *, from_logs: bool = False) -> dict:
@@ -129,30 +175,33 @@ def run_grpo(cfg: GrpoConfig, out_dir: Path, *, from_logs: bool = False) -> dict
     rows: list[dict] = []
     if from_logs:
         rows = [json.loads(line) for f in sorted(log_dir.glob("grpo-*.jsonl")) for line in f.read_text().splitlines()]
-        return {"setup": _setup(cfg), "config": {k: getattr(cfg, k) for k in cfg.__slots__}, "rows": rows}
+        return {"setup": _setup(cfg), "config": {k: getattr(cfg, k) for k in cfg.__slots__}, "rows": pool_rounds(rows)}
     env = os.environ | {
         "HF_HUB_OFFLINE": "1",
         "TRL_EXPERIMENTAL_SILENCE": "1",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(Path.cwd()), os.environ.get("PYTHONPATH")])),
     }
-    for path in tqdm(cfg.paths, desc="grpo-step", unit="path"):
-        out = log_dir / f"grpo-{path}.jsonl"
-        out.unlink(missing_ok=True)
+    for f in log_dir.glob("grpo-*"):
+        f.unlink()
+    order = [(k, p) for k in range(cfg.rounds) for p in (cfg.paths if k % 2 == 0 else cfg.paths[::-1])]
+    for k, path in tqdm(order, desc="grpo-step", unit="run"):
+        out = log_dir / f"grpo-{path}-r{k}.jsonl"
         cmd = [sys.executable, "-m", "cbverify.bench.grpo_step", "--path", path, "--n", *map(str, cfg.ns), "--device",
                cfg.device, "--steps", str(cfg.steps), "--num-prompts", str(cfg.num_prompts), "--model", cfg.model,
                "--threads", str(cfg.threads), "--out", str(out)]  # fmt: skip
-        with open(log_dir / f"grpo-{path}.log", "w") as log:
+        with open(log_dir / f"grpo-{path}-r{k}.log", "w") as log:
             proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
         got = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
         rows += got or [{"path": path, "n": n, "error": f"worker exited {proc.returncode}; see {log.name}"}
                         for n in cfg.ns]  # fmt: skip
-    return {"setup": _setup(cfg), "config": {k: getattr(cfg, k) for k in cfg.__slots__}, "rows": rows}
+    return {"setup": _setup(cfg), "config": {k: getattr(cfg, k) for k in cfg.__slots__}, "rows": pool_rounds(rows)}
 
 
 def _setup(cfg: GrpoConfig) -> str:
     return (
         f"TRL GRPOTrainer on {cfg.model}, {cfg.num_prompts} prompts x N per step, max_completion_length "
-        f"{MAX_COMPLETION}, {cfg.steps} steps (median of steps 2..{cfg.steps}), device {cfg.device}"
+        f"{MAX_COMPLETION}; {cfg.rounds} rounds of {cfg.steps} steps per path, paths alternating, the first step of "
+        f"each round a warm-up: median and (min, max) of {cfg.rounds * (cfg.steps - 1)} steps; device {cfg.device}"
     )
 
 
@@ -161,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--path", choices=PATHS, required=True, help="generation path of the trainer")
     parser.add_argument("--n", type=int, nargs="+", required=True, help="num_generations values, run ascending")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--steps", type=int, default=3, help="trainer steps per case (the first is a warm-up)")
+    parser.add_argument("--steps", type=int, default=5, help="trainer steps per case (the first is a warm-up)")
     parser.add_argument("--num-prompts", type=int, default=2, help="prompts per step")
     parser.add_argument("--model", default="tiny-llama-arith", help="bundled name or local checkpoint directory")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")

@@ -90,8 +90,7 @@ def markdown(result: dict) -> str:
                   ""]  # fmt: skip
     lines += ["## Targets (CPU, ratios from this run)", "", "| target | measured | met |", "|---|---|---|"]
     for t in result["targets"]:
-        met = {True: "yes", False: "**no**", None: "n/a"}[t["met"]]
-        lines.append(f"| {t['target']} | {_fmt(t['value'], '.3f')} | {met} |")
+        lines.append(f"| {t['target']} | {_fmt(t['value'], '.3f')} | {_met(t['met'])} |")
     if result.get("grpo"):
         lines += ["", grpo_markdown(result["grpo"])]
     return "\n".join(lines) + "\n"
@@ -103,22 +102,50 @@ def _model_memory_kind(result: dict) -> str:
 
 
 def grpo_markdown(grpo: dict) -> str:
-    """The published table's shape: step time, speedup and peak-memory delta versus ``generate()``. Rows are TRL's
-    trainer generation paths (``cbverify.bench.grpo_step.PATHS``: ``generate`` is the trainer's default path)."""
+    """The published table's shape: step time, speedup and peak-memory delta versus ``generate()``, with the spread
+    of the step times and the generation share, then the GRPO-step targets. Rows are TRL's trainer generation paths
+    (``cbverify.bench.grpo_step.PATHS``: ``generate`` is the trainer's default path)."""
     lines = ["## GRPO step (TRL GRPOTrainer)", "", f"- {grpo.get('setup', '')}", "",
-             "| N | generation path | step s (median) | speedup vs generate() | peak MB | delta vs generate() MB |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+             "| N | generation path | step s (median) | min - max s | speedup vs generate() | generation share "
+             "| peak MB | delta vs generate() MB |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     by = {(r["n"], r["path"]): r for r in grpo["rows"]}
     for (n, path), r in sorted(by.items(), key=lambda kv: (kv[0][0], PATHS.index(kv[0][1]))):
         if "error" in r:
-            lines.append(f"| {n} | {path} | ERROR: {r['error'][:200]} | | | |")
+            lines.append(f"| {n} | {path} | ERROR: {r['error'][:200]} | | | | | |")
             continue
         base = by.get((n, "generate"))
         ok = base is not None and "error" not in base
         speed = _fmt(base["step_s"] / r["step_s"] if ok else None)
         delta = _fmt(r["peak_memory_mb"] - base["peak_memory_mb"] if ok else None, "+.0f")
-        lines.append(f"| {n} | {path} | {r['step_s']:.2f} | {speed} | {r['peak_memory_mb']:.0f} | {delta} |")
+        spread = f"{_fmt(r.get('step_min_s'))} - {_fmt(r.get('step_max_s'))}"
+        lines.append(f"| {n} | {path} | {r['step_s']:.2f} | {spread} | {speed} | "
+                     f"{_fmt(r.get('generation_share'), '.0%')} | {r['peak_memory_mb']:.0f} | {delta} |")  # fmt: skip
+    targets = grpo_targets(grpo["rows"])
+    if targets:
+        lines += ["", "| GRPO-step target | measured | met |", "|---|---|---|"]
+        lines += [f"| {t['target']} | {_fmt(t['value'], '.3f')} | {_met(t['met'])} |" for t in targets]
     return "\n".join(lines)
+
+
+# (N, path, minimum speedup of the median step versus generate())
+GRPO_TARGETS = ((8, "cb_impl", 1.0), (32, "cb_impl", 1.25), (64, "cb_impl", 1.25))
+
+
+def grpo_targets(rows: list[dict]) -> list[dict]:
+    by = {(r["n"], r["path"]): r for r in rows if "error" not in r}
+    out = []
+    for n, path, threshold in GRPO_TARGETS:
+        a, b = by.get((n, path)), by.get((n, "generate"))
+        if a is None and b is None:
+            continue
+        value = b["step_s"] / a["step_s"] if a and b else None
+        out.append({"target": f"GRPO step N={n}: {path} speedup vs generate() >= {threshold}", "value": value,
+                    "met": None if value is None else value >= threshold})  # fmt: skip
+    return out
+
+
+def _met(met: bool | None) -> str:
+    return {True: "yes", False: "**no**", None: "n/a"}[met]
 
 
 def plots(result: dict, out_dir: Path) -> list[Path]:

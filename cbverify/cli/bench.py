@@ -72,7 +72,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="also time TRL GRPOTrainer steps with each generation path",
     )
     parser.add_argument("--grpo-n", nargs="+", type=int, default=list(GRPO_NS), help="N for the GRPO-step benchmark")
-    parser.add_argument("--grpo-steps", type=int, default=3, help="trainer steps per GRPO case (first is warm-up)")
+    parser.add_argument("--grpo-steps", type=int, default=5, help="trainer steps per GRPO case and round (the first "
+                        "a warm-up)")  # fmt: skip
+    parser.add_argument("--grpo-rounds", type=int, default=2, help="rounds of every GRPO path, alternating the order")
     parser.add_argument(
         "--grpo-model",
         default="tiny-llama-arith",
@@ -110,9 +112,9 @@ def run(args: argparse.Namespace) -> int:
     if args.grpo:
         from cbverify.bench.grpo_step import GrpoConfig, run_grpo
 
-        result["grpo"] = run_grpo(GrpoConfig(device=args.device, ns=tuple(args.grpo_n), steps=args.grpo_steps,
-                                             threads=args.threads, model=args.grpo_model), out,
-                                  from_logs=args.from_logs)  # fmt: skip
+        grpo = GrpoConfig(device=args.device, ns=tuple(args.grpo_n), steps=args.grpo_steps, rounds=args.grpo_rounds,
+                          threads=args.threads, model=args.grpo_model)  # fmt: skip
+        result["grpo"] = run_grpo(grpo, out, from_logs=args.from_logs)
     paths = report.write(result, out)
     print(report.markdown(result))
     print("wrote " + ", ".join(str(p) for p in paths))
