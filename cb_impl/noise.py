@@ -23,7 +23,7 @@ import torch
 
 from reference.spec import MASK32, MIX_MUL1, MIX_MUL2, noise_keys
 
-__all__ = ["fast_bits_to_gumbel", "fast_gumbel_noise", "fast_noise_bits", "gumbel_race", "gumbel_upper_bound"]
+__all__ = ["fast_bits_to_gumbel", "fast_noise_bits", "gumbel_race", "gumbel_upper_bound"]
 
 _BOUND_MARGIN = 1e-3  # far above the float32 rounding of a bound (~1e-5 at |score| ~ 250); only widens the candidates
 
@@ -66,13 +66,6 @@ def fast_bits_to_gumbel(bits: torch.Tensor) -> torch.Tensor:
     """``reference.spec.bits_to_gumbel`` (same float64 operations in the same order, in place)."""
     u = bits.to(torch.float64).add_(0.5).mul_(1.0 / 2**32)
     return u.log_().neg_().log_().neg_()
-
-
-def fast_gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """``reference.spec.gumbel_noise``: float64 (B, V) Gumbel noise for every token of the vocabulary."""
-    keys = noise_keys(seeds, positions)  # (B,)
-    vocab = torch.arange(vocab_size, dtype=torch.int64, device=keys.device)  # (V,)
-    return fast_bits_to_gumbel(fast_noise_bits(keys[:, None], vocab[None, :]))  # (B, V)
 
 
 def gumbel_upper_bound(bits: torch.Tensor) -> torch.Tensor:
