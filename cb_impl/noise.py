@@ -8,11 +8,11 @@ compares the bits over the full 32-bit range and the race against the full-vocab
   arithmetic one with the sign bits masked off. Half the bytes and a third of the passes of the int64 form.
 - Race: the token is ``argmax_v(lp_v + g_v)`` with ``g = -log(-log u)``, ``u = (bits + 0.5) / 2**32``. Since
   ``-log u >= 1 - u``, ``g <= -log(1 - u) = 32 ln 2 - ln(c + 0.5)`` with ``c = 2**32 - 1 - bits``, and for ``c >= 1``
-  ``ln(c + 0.5) >= floor(log2 c) ln 2``, read exactly off ``c``'s float64 exponent (``c = 0``: the bound is huge,
-  still a bound). So ``lp_v + (32 - floor(log2 c_v)) ln 2`` bounds each score from above with integer work only; any
-  token whose bound is below the exact score of one token (the one with the largest bound) cannot win, and the two
-  logarithms are computed for the few tokens left (a flat row of 4096 tokens keeps a handful). Tokens removed by a
-  processor (-inf) are never candidates.
+  ``ln(c + 0.5) >= floor(log2 c) ln 2``, read exactly off the float32 exponent of ``c >> 8`` (``c < 256`` reads as
+  0: a bound of 151 ln 2, above any noise). So ``lp_v + (32 - floor(log2 c_v)) ln 2`` bounds each score from above
+  with integer work only; any token whose bound is below the exact score of one token (the one with the largest
+  bound) cannot win, and the two logarithms are computed for the few tokens left (a flat row of 4096 tokens keeps a
+  handful). Tokens removed by a processor (-inf) are never candidates.
 """
 
 from __future__ import annotations
@@ -25,16 +25,13 @@ from reference.spec import MASK32, MIX_MUL1, MIX_MUL2, noise_keys
 
 __all__ = ["fast_bits_to_gumbel", "fast_noise_bits", "gumbel_race", "gumbel_upper_bound"]
 
+_MUL1, _MUL2 = (c - 2**32 if c >= 2**31 else c for c in (MIX_MUL1, MIX_MUL2))  # the hash constants as int32
 _BOUND_MARGIN = 1e-3  # far above the float32 rounding of a bound (~1e-5 at |score| ~ 250); only widens the candidates
 
 
 def _int32(x: torch.Tensor) -> torch.Tensor:
     """int64 values in [0, 2**32) -> int32 tensors with the same 32 bits (two's complement), without overflow."""
     return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)
-
-
-def _signed(c: int) -> int:
-    return c - 2**32 if c >= 2**31 else c
 
 
 def _xorshift_(x: torch.Tensor, n: int) -> None:
@@ -46,9 +43,9 @@ def _bits32(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """lowbias32 (``reference.spec.mix32``) of ``keys ^ token_ids``: int32 tensors of the 32 uniform bits."""
     x = _int32(keys) ^ _int32(token_ids.to(torch.int64))
     _xorshift_(x, 16)
-    x.mul_(_signed(MIX_MUL1))
+    x.mul_(_MUL1)
     _xorshift_(x, 15)
-    x.mul_(_signed(MIX_MUL2))
+    x.mul_(_MUL2)
     _xorshift_(x, 16)
     return x
 
