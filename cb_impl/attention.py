@@ -68,24 +68,21 @@ class StepMetadata:
     num_padded_pairs: int  # query-key pairs computed (padding included)
 
 
-def build_group(
-    starts: list[int], lengths: list[int], offsets: list[int], slots_of: Callable, device: torch.device
-) -> AttentionGroup:
-    """Attention group for S sequences whose chunks begin at position ``starts[s]``, have ``lengths[s]`` new tokens
-    and sit at row ``offsets[s]`` of the packed batch; ``slots_of(rows, positions)`` maps (S, L) to cache slots."""
-    q_max, l_max = max(lengths), max(s + n for s, n in zip(starts, lengths, strict=True))
-    all_full = all(s + n == l_max for s, n in zip(starts, lengths, strict=True))
-    starts_t, lengths_t, offsets_t = torch.tensor([starts, lengths, offsets], device=device)  # (S,) each
+def build_group(starts: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tensor, q_max: int, l_max: int,
+                all_full: bool, slots_of: Callable[[torch.Tensor], torch.Tensor]) -> AttentionGroup:  # fmt: skip
+    """Attention group for S sequences whose chunks begin at position ``starts`` (S,), have ``lengths`` new tokens and
+    sit at row ``offsets`` of the packed batch; host ``q_max = max(lengths)``, ``l_max = max(starts + lengths)``,
+    ``all_full`` (every sequence ends at ``l_max``); ``slots_of(positions)`` maps key positions (S, L) to slots."""
+    device = starts.device
     q = torch.arange(q_max, device=device)  # (Q,)
     k = torch.arange(l_max, device=device)  # (L,)
-    q_valid = q[None, :] < lengths_t[:, None]  # (S, Q)
-    q_index = offsets_t[:, None] + torch.where(q_valid, q[None, :], 0)  # (S, Q)
-    k_valid = k[None, :] < (starts_t + lengths_t)[:, None]  # (S, L)
-    rows = torch.arange(len(starts), device=device)[:, None].expand(-1, l_max)  # (S, L)
-    kv_slots = slots_of(rows, torch.where(k_valid, k[None, :], 0))  # (S, L)
+    q_valid = q[None, :] < lengths[:, None]  # (S, Q)
+    q_index = offsets[:, None] + torch.where(q_valid, q[None, :], 0)  # (S, Q)
+    k_valid = k[None, :] < (starts + lengths)[:, None]  # (S, L)
+    kv_slots = slots_of(torch.where(k_valid, k[None, :], 0))  # (S, L)
     valid_flat = q_valid.flatten().nonzero().squeeze(1)  # (N,) once per step, not per layer
     dst_rows = q_index.flatten()[valid_flat]  # (N,)
-    q_pos = torch.where(q_valid, starts_t[:, None] + q[None, :], 0)  # (S, Q)
+    q_pos = torch.where(q_valid, starts[:, None] + q[None, :], 0)  # (S, Q)
     if q_max == 1 and all_full:
         return AttentionGroup(q_index, valid_flat, dst_rows, kv_slots, None, q_pos)  # equal-context decodes: no mask
     mask = (k[None, None, :] <= q_pos[:, :, None]) & q_valid[:, :, None]  # (S, Q, L)
@@ -156,7 +153,8 @@ class PagedAttention:
         dtype = self.compute_dtype or q.dtype
         for g in meta.groups:
             (num_seqs, q_len), kv_len = g.q_index.shape, g.kv_slots.shape[1]
-            og = torch.empty(num_seqs, q_len, *q.shape[1:], dtype=out.dtype, device=out.device)  # (S, Q, Hq, D)
+            in_order = q_len == 1 and num_seqs == q.shape[0]  # decodes only: row s is sequence s's query, in place
+            og = out[:, None] if in_order else q.new_empty(num_seqs, q_len, *q.shape[1:])  # (S, Q, Hq, D)
             group_mask = g.mask if window is None else g.window_mask(int(window))  # (S, 1, Q, L)
             # sequences in slices whose gathered K/V stay small: cache-resident, and below malloc's mmap threshold
             # (a fresh mmap per layer costs page faults); rows of SDPA are independent, so slicing changes nothing
@@ -165,7 +163,7 @@ class PagedAttention:
                 rows = slice(s0, s0 + step)
                 slots = g.kv_slots[rows]  # (s, L)
                 flat, shape = slots.reshape(-1), (*slots.shape, *k_cache.shape[1:])  # (s * L,), (s, L, Hkv, D)
-                qg = q[g.q_index[rows]].transpose(1, 2).to(dtype)  # (s, Hq, Q, D)
+                qg = (q[rows, None] if in_order else q[g.q_index[rows]]).transpose(1, 2).to(dtype)  # (s, Hq, Q, D)
                 kg = k_cache.index_select(0, flat).view(shape).transpose(1, 2).to(dtype)  # (s, Hkv, L, D)
                 vg = v_cache.index_select(0, flat).view(shape).transpose(1, 2).to(dtype)  # (s, Hkv, L, D)
                 mask = None if group_mask is None else group_mask[rows]  # (s, 1, Q, L)
@@ -175,7 +173,8 @@ class PagedAttention:
                     scale = scaling if scaling is not None else qg.shape[-1] ** -0.5
                     o = explicit_attention(qg, kg, vg, mask, scale, softcap, sinks)  # (s, Hq, Q, D)
                 og[rows] = o.transpose(1, 2)  # (s, Q, Hq, D)
-            out[g.dst_rows] = og.flatten(0, 1)[g.valid_flat]  # valid rows only
+            if not in_order:
+                out[g.dst_rows] = og.flatten(0, 1)[g.valid_flat]  # valid rows only
         return out[None], None  # (1, T, Hq, D)
 
     def _targets(self, model: torch.nn.Module) -> list:

@@ -95,13 +95,10 @@ class BlockManager:
             cost += 1  # the partly filled block is shared: it must be copied before we write into it
         return cost
 
-    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.append_cost(seq, num_new_tokens) <= len(self.free_block_ids)
-
     def may_append(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
         """Make ``seq``'s blocks ready for writing ``num_new_tokens`` tokens; returns ``(src, dst)`` block copies
         the KV cache must perform before the write (copy on write of a shared, partly filled block)."""
-        if not self.can_append(seq, num_new_tokens):
+        if self.append_cost(seq, num_new_tokens) > len(self.free_block_ids):
             raise RuntimeError(f"sequence {seq.request_id!r}: not enough free blocks to append")
         copies: list[tuple[int, int]] = []
         start = seq.num_computed_tokens

@@ -19,8 +19,8 @@ from tqdm.auto import tqdm
 
 from cb_impl.block_manager import BlockManager, blocks_for
 from cb_impl.config import EngineConfig
-from cb_impl.model_runner import ModelRunner
-from cb_impl.sampler import build_sampling_batch, sample
+from cb_impl.model_runner import ModelRunner, int64_tensor
+from cb_impl.sampler import build_sampling_batch, sample, sampling_row
 from cb_impl.scheduler import Scheduler
 from cb_impl.sequence import Sequence
 from cb_impl.support import check_supported
@@ -43,11 +43,13 @@ class LLMEngine:
             raise ValueError(f"config must be an EngineConfig, got {type(self.config).__name__}")
         self.model = model
         self.runner = ModelRunner(model, self.config)
-        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size)
+        self.block_manager = BlockManager(self.runner.cache.num_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.block_manager, max_batch_tokens=self.config.max_batch_tokens,
                                    max_num_seqs=self.config.max_num_seqs,
                                    enable_prefix_sharing=self.config.enable_prefix_sharing)  # fmt: skip
         self._next_seq_id = 0
+        self._sampled_seqs: list[Sequence] = []  # the last step's sampled sequences and their sampling constants
+        self._sampling = build_sampling_batch([], torch.device("cpu"))
         self._live: dict[str, Sequence] = {}
         names = ("num_steps", "num_requests", "num_forward_tokens", "num_prefill_tokens", "num_decode_tokens",
                  "num_generated_tokens", "num_failed_requests", "num_partial_prefills")  # fmt: skip
@@ -93,6 +95,7 @@ class LLMEngine:
     def _enqueue(self, r: RolloutRequest) -> None:
         seq = Sequence(self._next_seq_id, r.prompt_ids, max_new_tokens=r.sampling.max_new_tokens,
                        eos_token_ids=r.eos_token_ids, request=r, request_id=r.request_id)  # fmt: skip
+        seq.sampler_row = sampling_row(r.sampling, r.seed)
         self._next_seq_id += 1
         self._live[r.request_id] = seq
         self.scheduler.add(seq)
@@ -107,20 +110,20 @@ class LLMEngine:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         t1 = time.perf_counter()
-        partial = sum(seq.num_computed_tokens + n < seq.num_tokens for seq, n in batch.chunks)  # chunked prefills
-        self._counters["num_partial_prefills"] += partial
         try:
             with self.runner.attached():
                 logits = self.runner.run(batch)  # (R, V)
             t2 = time.perf_counter()
             seqs = [s for s, _ in batch.samples]
-            params = build_sampling_batch([s.request.sampling for s in seqs], [s.request.seed for s in seqs],
-                                          [s.num_completion_tokens for s in seqs], logits.device)  # fmt: skip
-            tokens, logprobs = sample(logits, params)
-            sampled = list(zip(tokens.tolist(), logprobs.tolist(), strict=True))
+            if seqs != self._sampled_seqs:  # the sampling constants change with the sampled requests only
+                self._sampling = build_sampling_batch([s.sampler_row for s in seqs], logits.device)
+                self._sampled_seqs = seqs
+            positions = int64_tensor([s.num_completion_tokens for s in seqs], logits.device)  # (R,)
+            tokens, logprobs = sample(logits, self._sampling, positions)
+            sampled = list(zip(tokens.tolist(), logprobs.tolist(), strict=True))  # host: one copy of each
         except Exception as err:
-            touched = batch.sequences + [f for s in batch.sequences for f in s.followers]
-            failed = list({id(s): s for s in touched}.values())
+            touched = [s for s, _ in batch.chunks + batch.samples]  # and the followers of each, forked or not
+            failed = list({id(s): s for s in touched + [f for s in touched for f in s.followers]}.values())
             for seq in failed:
                 self.scheduler.finish(seq)
                 self._live.pop(seq.request_id, None)
@@ -131,7 +134,8 @@ class LLMEngine:
         c = self._counters
         c["num_steps"] += 1
         c["num_forward_tokens"] += batch.num_tokens
-        c["num_decode_tokens"] += sum(1 for s, n in batch.chunks if n == 1 and s.num_completion_tokens > 1)
+        c["num_decode_tokens"] += batch.num_decode_tokens
+        c["num_partial_prefills"] += batch.num_partial_prefills
         c["num_prefill_tokens"] = c["num_forward_tokens"] - c["num_decode_tokens"]
         c["num_generated_tokens"] += len(sampled)
         self._timers["schedule_s"] += t1 - t0

@@ -6,8 +6,9 @@ is run on that sequence alone (``reference.generate`` does exactly that, without
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from array import array
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -16,6 +17,12 @@ from cb_impl.config import EngineConfig
 from cb_impl.kv_cache import PagedKVCache, bytes_per_block, plan_num_blocks
 from cb_impl.scheduler import ScheduledBatch
 from cb_impl.support import CONTEXT_FIELDS, context_length
+
+
+def int64_tensor(values: Iterable[int], device: torch.device) -> torch.Tensor:
+    """A host list of ints -> int64 tensor on ``device``, through a buffer (several times faster than torch.tensor)."""
+    buf = array("q", values)
+    return torch.frombuffer(buf, dtype=torch.int64).to(device) if buf else torch.zeros(0, dtype=torch.int64).to(device)
 
 
 class ModelRunner:
@@ -48,59 +55,55 @@ class ModelRunner:
         self.num_pairs = 0
         self.num_padded_pairs = 0
 
-    @property
-    def num_blocks(self) -> int:
-        return self.cache.num_blocks
-
     @contextmanager
     def attached(self) -> Iterator[None]:
         """Reentrant: the outermost use switches the model's attention to the paged one and restores it after."""
-        if self._depth:
+        with nullcontext() if self._depth else self.attention.attached(self.model):
             self._depth += 1
             try:
                 yield
             finally:
                 self._depth -= 1
-            return
-        with self.attention.attached(self.model):
-            self._depth = 1
-            try:
-                yield
-            finally:
-                self._depth = 0
 
-    def _metadata(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, StepMetadata, list[int]]:
+    def _metadata(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, StepMetadata, torch.Tensor]:
+        """Input ids (1, T), positions (1, T), the attention metadata and each chunk's first packed row (C,)."""
         bs, dev = self.block_size, self.device
-        input_ids: list[int] = []
-        starts, lengths, offsets = [], [], []
-        for seq, n in batch.chunks:
+        ids, starts, lengths, tables = array("q"), array("q"), array("q"), array("q")
+        pad = [0] * max(len(seq.block_table) for seq, _ in batch.chunks)
+        pairs = 0
+        for seq, n in batch.chunks:  # the one per-sequence loop: host arrays, turned into tensors below
             start = seq.num_computed_tokens
-            offsets.append(len(input_ids))
-            input_ids.extend(seq.token_ids[start : start + n])
+            ids.extend(seq.token_ids[start : start + n])
             starts.append(start)
             lengths.append(n)
-        width = max(len(seq.block_table) for seq, _ in batch.chunks)
-        tables = torch.tensor(
-            [s.block_table + [0] * (width - len(s.block_table)) for s, _ in batch.chunks],
-            dtype=torch.int64,
-            device=dev,
-        )  # (C, W) fmt: skip
-        starts_t, lengths_t, offsets_t = torch.tensor([starts, lengths, offsets], dtype=torch.int64, device=dev)
-        chunk_of = torch.repeat_interleave(torch.arange(len(starts), device=dev), lengths_t)  # (T,)
-        positions = starts_t[chunk_of] + torch.arange(len(input_ids), device=dev) - offsets_t[chunk_of]  # (T,)
-        slot_mapping = tables[chunk_of, positions // bs] * bs + positions % bs  # (T,)
+            tables.extend(seq.block_table)
+            tables.extend(pad[len(seq.block_table) :])
+            pairs += n * start + n * (n + 1) // 2
+        num_chunks, num_tokens = len(starts), len(ids)
+        starts_t, lengths_t = int64_tensor(starts, dev), int64_tensor(lengths, dev)  # (C,)
+        tables_t = int64_tensor(tables, dev).view(num_chunks, len(pad))  # (C, W)
+        if num_tokens == num_chunks:  # decodes only: one token per chunk
+            offsets_t, positions = torch.arange(num_chunks, device=dev), starts_t  # (C,), (T,)
+            chunk_of = offsets_t
+        else:
+            offsets_t = lengths_t.cumsum(0) - lengths_t  # (C,)
+            chunk_of = torch.repeat_interleave(torch.arange(num_chunks, device=dev), lengths_t, output_size=num_tokens)
+            positions = starts_t[chunk_of] + torch.arange(num_tokens, device=dev) - offsets_t[chunk_of]  # (T,)
+        slot_mapping = tables_t[chunk_of, positions // bs] * bs + positions % bs  # (T,)
         groups = []
-        for members in ([c for c, n in enumerate(lengths) if n == 1], [c for c, n in enumerate(lengths) if n > 1]):
-            if members:
-                sub = tables[members]  # (S, W)
-                slots_of = lambda rows, pos, sub=sub: sub[rows, pos // bs] * bs + pos % bs  # noqa: E731
-                groups.append(build_group([starts[c] for c in members], [lengths[c] for c in members],
-                                          [offsets[c] for c in members], slots_of, dev))  # fmt: skip
-        num_pairs = sum(n * s + n * (n + 1) // 2 for s, n in zip(starts, lengths, strict=True))
+        decodes = [c for c, n in enumerate(lengths) if n == 1]
+        for members in (decodes, [c for c, n in enumerate(lengths) if n > 1]):
+            if not members:
+                continue
+            ends = [starts[c] + lengths[c] for c in members]
+            sel = slice(None) if len(members) == num_chunks else int64_tensor(members, dev)
+            sub = tables_t[sel]  # (S, W)
+            groups.append(build_group(starts_t[sel], lengths_t[sel], offsets_t[sel], max(lengths[c] for c in members),
+                                      max(ends), min(ends) == max(ends),
+                                      lambda pos, sub=sub: sub.gather(1, pos // bs) * bs + pos % bs))  # fmt: skip
         padded = sum(int(g.q_index.numel()) * int(g.kv_slots.shape[1]) for g in groups)
-        meta = StepMetadata(slot_mapping, tuple(groups), num_pairs, padded)
-        ids = torch.tensor([input_ids], dtype=torch.int64, device=dev)  # (1, T)
-        return ids, positions[None], meta, offsets
+        meta = StepMetadata(slot_mapping, tuple(groups), pairs, padded)
+        return int64_tensor(ids, dev)[None], positions[None], meta, offsets_t
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """One forward over the batch; returns float logits (R, V), row r for ``batch.samples[r]``."""
@@ -108,21 +111,20 @@ class ModelRunner:
             return torch.empty(0, self.vocab_size, device=self.device)
         self.cache.copy_blocks(batch.copies)
         input_ids, position_ids, meta, offsets = self._metadata(batch)
-        chunk_rows: dict[int, int] = {}
-        keep: list[int] = []
-        for _, c in batch.samples:
-            if c not in chunk_rows:
-                chunk_rows[c] = len(keep)
-                keep.append(offsets[c] + batch.chunks[c][1] - 1)
+        last_rows = offsets + int64_tensor([n for _, n in batch.chunks], self.device) - 1  # (C,)
+        rows = None  # each chunk samples once, in order: the kept logits are the rows
+        if batch.num_partial_prefills or len(batch.samples) != len(batch.chunks):
+            sample_chunks = int64_tensor([c for _, c in batch.samples], self.device)  # (R,) non-decreasing
+            kept, rows = torch.unique_consecutive(sample_chunks, return_inverse=True)  # (U,), (R,)
+            last_rows = last_rows[kept]
         self.num_pairs += meta.num_pairs
         self.num_padded_pairs += meta.num_padded_pairs
         with self.attached():
             self.attention.metadata = meta
             try:
                 out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                                 logits_to_keep=torch.tensor(keep, dtype=torch.int64, device=self.device))  # fmt: skip
+                                 logits_to_keep=last_rows)  # fmt: skip
             finally:
                 self.attention.metadata = None
         logits = out.logits[0]  # (U, V)
-        rows = torch.tensor([chunk_rows[c] for _, c in batch.samples], dtype=torch.int64, device=self.device)
-        return logits[rows]  # (R, V)
+        return logits if rows is None else logits[rows]  # (R, V)

@@ -5,7 +5,9 @@ compares the bits over the full 32-bit range and the race against the full-vocab
 
 - Bits: the spec multiplies in 16-bit halves so int64 never overflows. Here the hash runs on int32 tensors holding
   the 32 bits in two's complement: a product mod 2**32 has the same bits signed or unsigned, and a logical shift is an
-  arithmetic one with the sign bits masked off. Half the bytes and a third of the passes of the int64 form.
+  arithmetic one with the sign bits masked off. Half the bytes and a third of the passes of the int64 form. The
+  seed's two rounds of the key are computed once per request in Python (:func:`seed_key`); a step mixes in the
+  position only (:func:`step_keys`).
 - Race: the token is ``argmax_v(lp_v + g_v)`` with ``g = -log(-log u)``, ``u = (bits + 0.5) / 2**32``. Since
   ``-log u >= 1 - u``, ``g <= -log(1 - u) = 32 ln 2 - ln(c + 0.5)`` with ``c = 2**32 - 1 - bits``, and for ``c >= 1``
   ``ln(c + 0.5) >= floor(log2 c) ln 2``, read exactly off the float32 exponent of ``c >> 8`` (``c < 256`` reads as
@@ -21,12 +23,27 @@ import math
 
 import torch
 
-from reference.spec import MASK32, MIX_MUL1, MIX_MUL2, noise_keys
+from reference.spec import MASK32, MIX_MUL1, MIX_MUL2, SEED_SALT
 
-__all__ = ["fast_bits_to_gumbel", "fast_noise_bits", "gumbel_race", "gumbel_upper_bound"]
+__all__ = ["fast_bits_to_gumbel", "fast_noise_bits", "gumbel_race", "gumbel_upper_bound", "seed_key", "step_keys"]
 
 _MUL1, _MUL2 = (c - 2**32 if c >= 2**31 else c for c in (MIX_MUL1, MIX_MUL2))  # the hash constants as int32
+RACE_MIN_VOCAB = 128  # CPU, 256 rows: the race is 1.2x slower at V = 64, even at 128, 1.4x faster at 256
 _BOUND_MARGIN = 1e-3  # far above the float32 rounding of a bound (~1e-5 at |score| ~ 250); only widens the candidates
+
+
+def _mix32_int(x: int) -> int:
+    """``reference.spec.mix32`` on one Python int in [0, 2**32)."""
+    x = ((x ^ (x >> 16)) * MIX_MUL1) & MASK32
+    x = ((x ^ (x >> 15)) * MIX_MUL2) & MASK32
+    return x ^ (x >> 16)
+
+
+def seed_key(seed: int) -> int:
+    """The position-independent part of ``reference.spec.noise_keys`` for one seed (computed once per request):
+    ``noise_keys(seed, position) == mix32(seed_key(seed) ^ position)``."""
+    key = _mix32_int(seed & MASK32)
+    return _mix32_int(key ^ ((seed >> 32) & MASK32) ^ SEED_SALT)
 
 
 def _int32(x: torch.Tensor) -> torch.Tensor:
@@ -39,9 +56,8 @@ def _xorshift_(x: torch.Tensor, n: int) -> None:
     x.bitwise_xor_((x >> n).bitwise_and_((1 << (32 - n)) - 1))
 
 
-def _bits32(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """lowbias32 (``reference.spec.mix32``) of ``keys ^ token_ids``: int32 tensors of the 32 uniform bits."""
-    x = _int32(keys) ^ _int32(token_ids.to(torch.int64))
+def _mix32_(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 (``reference.spec.mix32``) in place on int32 bits; returns ``x``."""
     _xorshift_(x, 16)
     x.mul_(_MUL1)
     _xorshift_(x, 15)
@@ -50,13 +66,18 @@ def _bits32(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def step_keys(seed_keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``reference.spec.noise_keys`` as int32 bits (R,), from int64 :func:`seed_key` values and positions (R,)."""
+    return _mix32_(_int32(seed_keys ^ (positions & MASK32)))
+
+
 def _unsigned(bits32: torch.Tensor) -> torch.Tensor:
     return bits32.to(torch.int64).bitwise_and_(MASK32)
 
 
 def fast_noise_bits(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """``reference.spec.noise_bits``: int64 bits in [0, 2**32) per (key, token), broadcasting like ``keys ^ ids``."""
-    return _unsigned(_bits32(keys, token_ids))
+    return _unsigned(_mix32_(_int32(keys) ^ _int32(token_ids.to(torch.int64))))
 
 
 def fast_bits_to_gumbel(bits: torch.Tensor) -> torch.Tensor:
@@ -74,12 +95,16 @@ def gumbel_upper_bound(bits: torch.Tensor) -> torch.Tensor:
     return (151 - exponent).float().mul_(math.log(2)).add_(_BOUND_MARGIN)
 
 
-def gumbel_race(processed: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def gumbel_race(processed: torch.Tensor, keys: torch.Tensor, min_vocab: int = RACE_MIN_VOCAB) -> torch.Tensor:
     """``argmax_v(processed.double() + gumbel_noise(seeds, positions, V))`` per row (R,), lowest id on ties, with
-    exact noise only for the tokens whose upper bound reaches one token's exact score (see the module docstring)."""
+    exact noise only for the tokens whose upper bound reaches one token's exact score (see the module docstring);
+    below ``min_vocab`` tokens the pruning costs more than it saves and every token gets its exact noise. ``keys``
+    (R,) are the rows' :func:`step_keys`."""
     rows, vocab = processed.shape
-    keys = noise_keys(seeds, positions)  # (R,)
-    bits = _bits32(keys[:, None], torch.arange(vocab, device=keys.device)[None, :])  # (R, V) int32
+    ids = torch.arange(vocab, dtype=torch.int32, device=keys.device)  # (V,)
+    bits = _mix32_(keys[:, None] ^ ids[None, :])  # (R, V) int32: reference.spec.noise_bits
+    if vocab < min_vocab:
+        return (processed.double() + fast_bits_to_gumbel(_unsigned(bits))).argmax(dim=-1)  # first maximum on ties
     bound = gumbel_upper_bound(bits).add_(processed)  # (R, V) float32, >= each token's score
     anchor = bound.argmax(dim=-1, keepdim=True)  # (R, 1) a token with a finite log-prob and a large bound
     floor = processed.gather(1, anchor).double() + fast_bits_to_gumbel(_unsigned(bits.gather(1, anchor)))  # (R, 1)

@@ -13,57 +13,62 @@ the tokens that can still win (bit-identical tokens to the full definition, lowe
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from cb_impl.noise import gumbel_race
+from cb_impl.noise import gumbel_race, seed_key, step_keys
 from reference.spec import SamplingParams
+
+SamplingRow = tuple[tuple[float, float, float], tuple[int, int]] | None
+
+
+def sampling_row(params: SamplingParams, seed: int) -> SamplingRow:
+    """A request's sampling constants, computed once when it is queued: ``None`` for greedy, else
+    ``((temperature, top_p_threshold, min_p), (top_k, seed_key(seed)))``."""
+    if params.greedy:
+        return None
+    top_p_threshold = 1 - params.top_p if params.top_p < 1.0 else -1.0  # -1: top-p off, nothing at or below it
+    return (params.temperature, top_p_threshold, params.min_p), (params.top_k, seed_key(seed))
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingBatch:
-    """Per-row sampling parameters of one step, on the logits' device. Rows index the logits passed to
-    :func:`sample`; ``greedy_rows`` / ``sampled_rows`` are host lists partitioning them."""
+    """Per-row sampling constants, on the logits' device (reusable while the rows are the same requests). Rows index
+    the logits passed to :func:`sample`; ``greedy_rows`` / ``sampled_rows`` are host lists partitioning them."""
 
     greedy_rows: list[int]
     sampled_rows: list[int]
     temperature: torch.Tensor  # (Rs,) float32
     top_k: torch.Tensor  # (Rs,) int64, 0 = off
-    top_p_threshold: torch.Tensor  # (Rs,) float32: 1 - top_p (transformers' comparison value)
-    top_p_on: torch.Tensor  # (Rs,) bool
+    top_p_threshold: torch.Tensor  # (Rs,) float32: 1 - top_p (transformers' comparison value), -1 = off
     min_p: torch.Tensor  # (Rs,) float32, 0 = off
-    seeds: torch.Tensor  # (Rs,) int64
-    positions: torch.Tensor  # (Rs,) int64: completion position of the token being sampled
+    seed_keys: torch.Tensor  # (Rs,) int64: cb_impl.noise.seed_key of the rows' seeds
     max_top_k: int  # host: the largest top_k among sampled rows (0 = no top-k row)
     any_top_p: bool
     any_min_p: bool
 
 
-def build_sampling_batch(
-    params: Sequence[SamplingParams], seeds: Sequence[int], positions: Sequence[int], device: torch.device
-) -> SamplingBatch:
-    """Host lists -> one set of device tensors (built once per step)."""
-    greedy = [i for i, p in enumerate(params) if p.greedy]
-    sampled = [i for i, p in enumerate(params) if not p.greedy]
-    sp = [params[i] for i in sampled]
-    f32 = dict(dtype=torch.float32, device=device)
-    i64 = dict(dtype=torch.int64, device=device)
-    return SamplingBatch(
-        greedy_rows=greedy,
-        sampled_rows=sampled,
-        temperature=torch.tensor([p.temperature for p in sp], **f32),
-        top_k=torch.tensor([p.top_k for p in sp], **i64),
-        top_p_threshold=torch.tensor([1 - p.top_p for p in sp], **f32),
-        top_p_on=torch.tensor([p.top_p < 1.0 for p in sp], dtype=torch.bool, device=device),
-        min_p=torch.tensor([p.min_p for p in sp], **f32),
-        seeds=torch.tensor([seeds[i] for i in sampled], **i64),
-        positions=torch.tensor([positions[i] for i in sampled], **i64),
-        max_top_k=max((p.top_k for p in sp), default=0),
-        any_top_p=any(p.top_p < 1.0 for p in sp),
-        any_min_p=any(p.min_p > 0.0 for p in sp),
-    )
+def build_sampling_batch(rows: Sequence[SamplingRow], device: torch.device) -> SamplingBatch:
+    """Per-row :func:`sampling_row` constants -> one set of device tensors."""
+    greedy, sampled = [], []
+    floats, ints = array("f"), array("q")
+    for i, row in enumerate(rows):
+        if row is None:
+            greedy.append(i)
+        else:
+            sampled.append(i)
+            floats.extend(row[0])
+            ints.extend(row[1])
+    f = torch.frombuffer(floats, dtype=torch.float32).view(-1, 3) if sampled else torch.empty(0, 3)  # (Rs, 3)
+    q = torch.frombuffer(ints, dtype=torch.int64).view(-1, 2) if sampled else torch.empty(0, 2, dtype=torch.int64)
+    flags = (int(q[:, 0].max()), bool((f[:, 1] >= 0).any()), bool((f[:, 2] > 0).any())) if sampled else (0, 0, 0)
+    f, q = f.to(device), q.to(device)  # (Rs, 3) float32, (Rs, 2) int64
+    return SamplingBatch(greedy, sampled, temperature=f[:, 0], top_k=q[:, 0], top_p_threshold=f[:, 1],
+                         min_p=f[:, 2], seed_keys=q[:, 1],
+                         max_top_k=flags[0], any_top_p=flags[1], any_min_p=flags[2])  # fmt: skip
 
 
 def process_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
@@ -79,7 +84,7 @@ def process_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     if b.any_top_p:
         sorted_scores, sorted_ids = torch.sort(scores, dim=-1, descending=False, stable=True)  # (Rs, V)
         cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)  # (Rs, V)
-        remove = (cumulative <= b.top_p_threshold[:, None]) & b.top_p_on[:, None]  # (Rs, V)
+        remove = cumulative <= b.top_p_threshold[:, None]  # (Rs, V)
         remove[:, -1] = False  # the top token is always kept
         scores = scores.masked_fill(remove.scatter(1, sorted_ids, remove), float("-inf"))
     if b.any_min_p:
@@ -89,22 +94,28 @@ def process_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return scores.log_softmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens (R,) int64 and their processed log-probs (R,) float32 for logits (R, V) of any float dtype."""
-    rows, _ = logits.shape
+def _greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    chosen = logits.argmax(dim=-1)  # (G,) first maximum = lowest id on ties
+    return chosen, logits.log_softmax(dim=-1).gather(1, chosen[:, None]).squeeze(1)
+
+
+def _sampled(logits: torch.Tensor, b: SamplingBatch, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    processed = process_logits(logits, b)  # (Rs, V)
+    chosen = gumbel_race(processed, step_keys(b.seed_keys, positions))  # (Rs,)
+    return chosen, processed.gather(1, chosen[:, None]).squeeze(1)
+
+
+def sample(logits: torch.Tensor, b: SamplingBatch, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens (R,) int64 and their processed log-probs (R,) float32 for logits (R, V) of any float dtype, the rows
+    sampling the tokens at completion ``positions`` (R,) int64."""
     logits = logits.float()
-    tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    if b.greedy_rows:
-        idx = torch.tensor(b.greedy_rows, device=logits.device)
-        greedy_logits = logits[idx]  # (G, V)
-        chosen = greedy_logits.argmax(dim=-1)  # (G,) first maximum = lowest id on ties
-        tokens[idx] = chosen
-        logprobs[idx] = greedy_logits.log_softmax(dim=-1).gather(1, chosen[:, None]).squeeze(1)
-    if b.sampled_rows:
-        idx = torch.tensor(b.sampled_rows, device=logits.device)
-        processed = process_logits(logits[idx], b)  # (Rs, V)
-        chosen = gumbel_race(processed, b.seeds, b.positions)  # (Rs,)
-        tokens[idx] = chosen
-        logprobs[idx] = processed.gather(1, chosen[:, None]).squeeze(1)
+    if not b.greedy_rows:
+        return _sampled(logits, b, positions)
+    if not b.sampled_rows:
+        return _greedy(logits)
+    tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    g, s = (torch.tensor(rows, device=logits.device) for rows in (b.greedy_rows, b.sampled_rows))
+    tokens[g], logprobs[g] = _greedy(logits[g])
+    tokens[s], logprobs[s] = _sampled(logits[s], b, positions[s])
     return tokens, logprobs

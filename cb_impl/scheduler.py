@@ -28,22 +28,15 @@ from cb_impl.sequence import Sequence, SequenceStatus
 @dataclass(slots=True)
 class ScheduledBatch:
     """One step's work: ``(seq, num_new_tokens)`` chunks in packing order, the sequences that sample this step
-    with the index of the chunk whose last logits they use, and block copies to perform before the forward."""
+    with the index of the chunk whose last logits they use, and block copies to perform before the forward; counts
+    of the chunks' tokens, of decode tokens (one-token chunks of a completion token) and of partial prefills."""
 
     chunks: list[tuple[Sequence, int]] = field(default_factory=list)
     samples: list[tuple[Sequence, int]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.chunks)
-
-    @property
-    def sequences(self) -> list[Sequence]:
-        """Every sequence this step touches (chunks and forked followers)."""
-        seen = {id(s): s for s, _ in self.chunks}
-        seen.update((id(s), s) for s, _ in self.samples)
-        return list(seen.values())
+    num_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_partial_prefills: int = 0
 
 
 class Scheduler:
@@ -76,16 +69,17 @@ class Scheduler:
     # --- scheduling --------------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
+        bm = self.block_manager
         budget = self.max_batch_tokens
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            i += 1
             if seq.parent is not None:  # a follower waits for its parent's prefill
-                i += 1
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
-            while not self.block_manager.can_append(seq, num_new):
+            while (cost := bm.append_cost(seq, num_new)) > bm.num_free_blocks:
                 victim = self.running[-1]
                 self.preempt(victim)
                 preempted = True
@@ -93,19 +87,25 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break  # it preempted itself: everything after it is gone too
-            batch.copies += self.block_manager.may_append(seq, num_new)
+            if cost:  # new blocks, or a copy of a shared block before writing into it
+                batch.copies += bm.may_append(seq, num_new)
             self._add_chunk(batch, seq, num_new)
             budget -= num_new
-            i += 1
         if not preempted:
             budget = self._admit(batch, budget)
         return batch
 
     def _add_chunk(self, batch: ScheduledBatch, seq: Sequence, num_new: int) -> None:
         batch.chunks.append((seq, num_new))
-        if seq.num_computed_tokens + num_new == seq.num_tokens:
-            chunk_index = len(batch.chunks) - 1
-            batch.samples.append((seq, chunk_index))
+        batch.num_tokens += num_new
+        if num_new == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
+            batch.num_decode_tokens += 1
+        if seq.num_computed_tokens + num_new < len(seq.token_ids):
+            batch.num_partial_prefills += 1
+            return
+        chunk_index = len(batch.chunks) - 1
+        batch.samples.append((seq, chunk_index))
+        if seq.followers:
             batch.samples += [(f, chunk_index) for f in seq.followers]
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> int:
@@ -154,14 +154,14 @@ class Scheduler:
             raise ValueError(f"{len(sampled)} sampled tokens for {len(batch.samples)} sampling sequences")
         for seq, num_new in batch.chunks:
             seq.num_computed_tokens += num_new
-        for seq, _ in batch.samples:
+        for seq, _ in batch.samples:  # a parent comes before its followers; forks only read the parent's blocks
             if seq.parent is not None:
                 self.block_manager.fork(seq.parent, seq)
                 seq.num_computed_tokens = seq.parent.num_computed_tokens
                 seq.parent = None
                 self.num_forks += 1
-        for seq, _ in batch.samples:
-            seq.followers = []
+            if seq.followers:
+                seq.followers = []
         finished = []
         for (seq, _), (token, logprob) in zip(batch.samples, sampled, strict=True):
             if seq.append_token(token, logprob):

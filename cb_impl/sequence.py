@@ -30,6 +30,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "request", "request_id", "token_ids", "num_prompt_tokens", "max_new_tokens", "eos_token_ids",
         "logprobs", "num_computed_tokens", "block_table", "status", "parent", "followers", "finish_reason",
+        "sampler_row",
     )  # fmt: skip
 
     def __init__(
@@ -60,6 +61,7 @@ class Sequence:
         self.parent: Sequence | None = None
         self.followers: list[Sequence] = []
         self.finish_reason: str | None = None
+        self.sampler_row: Any = None  # the engine's per-request sampling constants (opaque to the bookkeeping)
 
     # --- derived quantities -------------------------------------------------------------------------------------
     @property
@@ -83,20 +85,16 @@ class Sequence:
         """Tokens still to run through the model before this sequence can sample its next token."""
         return self.num_tokens - self.num_computed_tokens
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
-
     # --- transitions -------------------------------------------------------------------------------------------
     def append_token(self, token_id: int, logprob: float) -> bool:
         """Record a sampled token; returns True (and sets ``finish_reason``) when the sequence is now complete."""
-        if self.is_finished:
+        if self.status is SequenceStatus.FINISHED:
             raise RuntimeError(f"sequence {self.request_id!r}: token appended after it finished")
         self.token_ids.append(token_id)
         self.logprobs.append(logprob)
         if token_id in self.eos_token_ids:
             self.finish_reason = "stop"
-        elif self.num_completion_tokens >= self.max_new_tokens:
+        elif len(self.token_ids) - self.num_prompt_tokens >= self.max_new_tokens:
             self.finish_reason = "length"
         return self.finish_reason is not None
 

@@ -84,8 +84,11 @@ def test_a_group_masks_exactly_the_causal_window_of_each_query(chunks, window):
     p <= start + q (causal) and, under a window w, p > start + q - w; a padding row sees key 0 only."""
     starts, lengths = [c[0] for c in chunks], [c[1] for c in chunks]
     offsets = [sum(lengths[:i]) for i in range(len(chunks))]
-    group = build_group(starts, lengths, offsets, lambda rows, pos: rows * 100 + pos, torch.device("cpu"))
     q_max, l_max = max(lengths), max(a + n for a, n in zip(starts, lengths, strict=True))
+    all_full = all(a + n == l_max for a, n in zip(starts, lengths, strict=True))
+    rows = torch.arange(len(chunks))[:, None]
+    group = build_group(torch.tensor(starts), torch.tensor(lengths), torch.tensor(offsets), q_max, l_max, all_full,
+                        lambda pos: rows * 100 + pos)  # fmt: skip
     full = torch.ones(len(chunks), 1, q_max, l_max, dtype=torch.bool) if group.mask is None else group.mask
     for w, mask in ((None, full), (window, group.window_mask(window))):
         for s, (start, n) in enumerate(chunks):

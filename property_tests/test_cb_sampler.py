@@ -9,13 +9,13 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from cb_impl.noise import fast_bits_to_gumbel, fast_noise_bits, gumbel_race, gumbel_upper_bound
-from cb_impl.sampler import build_sampling_batch, process_logits, sample
+from cb_impl.noise import fast_bits_to_gumbel, fast_noise_bits, gumbel_race, gumbel_upper_bound, seed_key, step_keys
+from cb_impl.sampler import SamplingBatch, build_sampling_batch, process_logits, sample, sampling_row
 from cbverify.tolerances import FP32, SAME_LOGITS_ATOL
-from property_tests.strategies import logits_batches, sampling_params, seeds
+from property_tests.strategies import logits_batches, positions, sampling_params, seeds
 from reference.generate import choose_token
 from reference.generate import process_logits as reference_process_logits
-from reference.spec import SamplingParams, bits_to_gumbel, gumbel_noise, noise_bits
+from reference.spec import SamplingParams, bits_to_gumbel, gumbel_noise, noise_bits, noise_keys
 
 
 def _rows(draw, n: int, *, greedy: bool | None = None) -> tuple[list[SamplingParams], list[int], list[int]]:
@@ -23,6 +23,23 @@ def _rows(draw, n: int, *, greedy: bool | None = None) -> tuple[list[SamplingPar
     row_seeds = [draw(seeds()) for _ in range(n)]
     row_positions = [draw(st.integers(0, 200)) for _ in range(n)]
     return params, row_seeds, row_positions
+
+
+def _batch(params: list[SamplingParams], row_seeds: list[int]) -> SamplingBatch:
+    rows = [sampling_row(p, seed) for p, seed in zip(params, row_seeds, strict=True)]
+    return build_sampling_batch(rows, torch.device("cpu"))
+
+
+def _sample(logits: torch.Tensor, params: list[SamplingParams], row_seeds: list[int], row_positions: list[int]):
+    return sample(logits, _batch(params, row_seeds), torch.tensor(row_positions))
+
+
+def _race(processed: torch.Tensor, b: SamplingBatch, row_positions: list[int]) -> torch.Tensor:
+    """The race's token, pruned and unpruned (small vocabularies skip the pruning), after checking the two agree."""
+    keys = step_keys(b.seed_keys, torch.tensor(row_positions))
+    pruned, unpruned = gumbel_race(processed, keys, min_vocab=0), gumbel_race(processed, keys, min_vocab=2**31)
+    assert torch.equal(pruned, unpruned), (pruned, unpruned)
+    return pruned
 
 
 @given(logits=logits_batches(), data=st.data())
@@ -33,9 +50,9 @@ def test_cb_gumbel_race_gives_bit_identical_tokens_to_full_vocabulary_noise(logi
         params, seeds, positions = [SamplingParams(temperature=1.0, top_k=2)], [5], [0]
     else:
         params, seeds, positions = _rows(data.draw, rows, greedy=False)
-    b = build_sampling_batch(params, seeds, positions, logits.device)
+    b = _batch(params, seeds)
     processed = process_logits(logits, b)
-    fast = gumbel_race(processed, b.seeds, b.positions)
+    fast = _race(processed, b, positions)
     noise = gumbel_noise(torch.tensor(seeds), torch.tensor(positions), logits.shape[1])  # (R, V) the definition
     full = (processed.double() + noise).argmax(dim=-1)
     assert torch.equal(fast, full), (fast, full)
@@ -57,7 +74,7 @@ def test_cb_sampler_matches_the_reference_rule_row_by_row(logits, data):
     """Same tokens (or a near-tie of the reference's decision score) and log-probs within ``SAME_LOGITS_ATOL``, per
     row, whatever the mix of greedy and sampled rows and parameters in the batch."""
     params, seeds, positions = _rows(data.draw, logits.shape[0])
-    tokens, logprobs = sample(logits, build_sampling_batch(params, seeds, positions, logits.device))
+    tokens, logprobs = _sample(logits, params, seeds, positions)
     for r, (p, seed, pos) in enumerate(zip(params, seeds, positions, strict=True)):
         ref_token, ref_logprob = choose_token(logits[r], p, seed, pos)
         if int(tokens[r]) != ref_token:
@@ -72,7 +89,7 @@ def test_cb_sampled_rows_follow_the_processed_distribution_support(logits, data)
     """A sampled token always has a finite processed log-prob (it was kept by every processor) and greedy rows pick
     the lowest-id maximum."""
     params, seeds, positions = _rows(data.draw, logits.shape[0])
-    tokens, logprobs = sample(logits, build_sampling_batch(params, seeds, positions, logits.device))
+    tokens, logprobs = _sample(logits, params, seeds, positions)
     assert torch.isfinite(logprobs).all() and (logprobs <= 0).all(), logprobs
     for r, p in enumerate(params):
         if p.greedy:
@@ -92,6 +109,20 @@ def test_cb_fast_noise_has_the_same_bits_as_the_reference_noise_over_the_whole_3
     assert torch.equal(fast_bits_to_gumbel(noise_bits(k, t)), bits_to_gumbel(noise_bits(k, t)))
 
 
+@given(row_seeds=st.lists(seeds(), min_size=1, max_size=8), data=st.data())
+@example(row_seeds=[0, 2**31, 2**32 - 1, 2**32, 2**63 - 1], data=None)
+def test_cb_noise_keys_split_per_request_and_per_step_equal_the_reference_keys(row_seeds, data):
+    """A request's seed key is computed once (Python ints) and a step mixes in the position (int32 tensors): the
+    32 bits equal ``reference.spec.noise_keys`` for any seed of the spec's range and any position."""
+    if data is None:
+        row_positions = [0, 1, 2**31 - 1, 7, 2**16]
+    else:
+        row_positions = data.draw(st.lists(positions(), min_size=len(row_seeds), max_size=len(row_seeds)))
+    fast = step_keys(torch.tensor([seed_key(s) for s in row_seeds]), torch.tensor(row_positions))
+    expected = noise_keys(torch.tensor(row_seeds), torch.tensor(row_positions))
+    assert torch.equal(fast.to(torch.int64) & 0xFFFFFFFF, expected), (fast, expected)
+
+
 def test_the_gumbel_bound_holds_over_the_whole_32_bit_range_and_is_tight_to_a_factor_two():
     """The race prunes a token whose score bound is below another token's exact score, so the bound must hold for
     every 32-bit value: all powers of two of ``c = 2**32 - 1 - bits`` and their neighbours (where ``floor(log2 c)``
@@ -109,6 +140,18 @@ def test_the_gumbel_bound_holds_over_the_whole_32_bit_range_and_is_tight_to_a_fa
     assert (bound - exact).min() < 2e-3, "the bound touches the noise (+ its margin) where c is a power of two"
 
 
+@given(row_seeds=st.lists(seeds(), min_size=1, max_size=4), vocab=st.sampled_from([2, 5, 300]))
+def test_the_race_compares_scores_in_float64_below_float32_resolution(row_seeds, vocab):
+    """Log-probs equal to minus each token's noise, rounded to float32: every score is a residual below float32's
+    resolution, so a race that adds or compares in float32 sees an all-way tie (token 0), the definition does not."""
+    row_positions = list(range(len(row_seeds)))
+    noise = gumbel_noise(torch.tensor(row_seeds), torch.tensor(row_positions), vocab)  # (R, V) float64
+    processed = (-noise).float()  # (R, V)
+    want = (processed.double() + noise).argmax(dim=-1)
+    b = _batch([SamplingParams(temperature=1.0)] * len(row_seeds), row_seeds)
+    assert torch.equal(_race(processed, b, row_positions), want)
+
+
 def test_the_gumbel_race_keeps_ties_removed_tokens_and_single_token_rows_exact():
     """Rows with a three-way tie, a top-k-off row beside top-k rows, a row with one token left, and flat rows of a
     large vocabulary (where the pruning keeps least margin), over many seeds: the pruned race picks what the
@@ -122,8 +165,8 @@ def test_the_gumbel_race_keeps_ties_removed_tokens_and_single_token_rows_exact()
     for seed in range(60):
         for rows, ps in ((logits, params), (flat, [SamplingParams(temperature=1.0)] * 3)):
             seeds, positions = [seed + i for i in range(len(ps))], [3 * i for i in range(len(ps))]
-            b = build_sampling_batch(ps, seeds, positions, rows.device)
+            b = _batch(ps, seeds)
             processed = process_logits(rows, b)
-            fast = gumbel_race(processed, b.seeds, b.positions)
+            fast = _race(processed, b, positions)
             noise = gumbel_noise(torch.tensor(seeds), torch.tensor(positions), rows.shape[1])
             assert torch.equal(fast, (processed.double() + noise).argmax(dim=-1)), (seed, fast)

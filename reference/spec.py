@@ -127,7 +127,7 @@ class Rollout:
 MASK32 = 0xFFFFFFFF
 MIX_MUL1 = 0x7FEB352D
 MIX_MUL2 = 0x846CA68B
-_SALT_SEED_HI = 0x9E3779B9  # golden-ratio constant: keeps the seed's high word independent of its low word
+SEED_SALT = 0x9E3779B9  # golden-ratio constant: keeps the seed's high word independent of its low word
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -153,7 +153,7 @@ def noise_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """
     seeds = seeds.to(torch.int64)
     key = mix32(seeds & MASK32)
-    key = mix32(key ^ ((seeds >> 32) & MASK32) ^ _SALT_SEED_HI)
+    key = mix32(key ^ ((seeds >> 32) & MASK32) ^ SEED_SALT)
     return mix32(key ^ (positions.to(torch.int64) & MASK32))
 
 
