@@ -21,7 +21,7 @@ Because the implementation is not registered in ``AttentionMaskInterface``, tran
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -64,30 +64,32 @@ class StepMetadata:
 
     slot_mapping: torch.Tensor  # (T,)
     groups: tuple[AttentionGroup, ...]
-    num_pairs: int  # query-key pairs actually needed
+    num_pairs: torch.Tensor  # () query-key pairs actually needed
     num_padded_pairs: int  # query-key pairs computed (padding included)
 
 
-def build_group(starts: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tensor, q_max: int, l_max: int,
-                all_full: bool, slots_of: Callable[[torch.Tensor], torch.Tensor]) -> AttentionGroup:  # fmt: skip
-    """Attention group for S sequences whose chunks begin at position ``starts`` (S,), have ``lengths`` new tokens and
-    sit at row ``offsets`` of the packed batch; host ``q_max = max(lengths)``, ``l_max = max(starts + lengths)``,
-    ``all_full`` (every sequence ends at ``l_max``); ``slots_of(positions)`` maps key positions (S, L) to slots."""
+def build_group(starts: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tensor, tables: torch.Tensor,
+                block_size: int, q_max: int, l_max: int, all_full: bool) -> AttentionGroup:  # fmt: skip
+    """Attention group for S sequences whose chunks begin at position ``starts`` (S,), have ``lengths`` new tokens, sit
+    at row ``offsets`` of the packed batch and have block ``tables`` (S, W); host ``q_max = max(lengths)``, ``l_max =
+    max(starts + lengths)`` (at most ``W * block_size``) and ``all_full`` (every sequence ends at ``l_max``)."""
     device = starts.device
-    q = torch.arange(q_max, device=device)  # (Q,)
     k = torch.arange(l_max, device=device)  # (L,)
+    k_valid = k[None, :] < (starts + lengths)[:, None]  # (S, L)
+    slots = (tables[:, :, None] * block_size + torch.arange(block_size, device=device)).flatten(1)[:, :l_max]  # (S, L)
+    kv_slots = torch.where(k_valid, slots, slots[:, :1])  # (S, L) padding -> the sequence's own position 0
+    if q_max == 1:  # one query per sequence, at position start: it sees exactly the valid keys
+        mask = None if all_full else k_valid[:, None, None, :]  # (S, 1, 1, L)
+        return AttentionGroup(offsets[:, None], torch.arange(len(starts), device=device), offsets, kv_slots, mask,
+                              starts[:, None])  # fmt: skip
+    q = torch.arange(q_max, device=device)  # (Q,)
     q_valid = q[None, :] < lengths[:, None]  # (S, Q)
     q_index = offsets[:, None] + torch.where(q_valid, q[None, :], 0)  # (S, Q)
-    k_valid = k[None, :] < (starts + lengths)[:, None]  # (S, L)
-    kv_slots = slots_of(torch.where(k_valid, k[None, :], 0))  # (S, L)
     valid_flat = q_valid.flatten().nonzero().squeeze(1)  # (N,) once per step, not per layer
-    dst_rows = q_index.flatten()[valid_flat]  # (N,)
     q_pos = torch.where(q_valid, starts[:, None] + q[None, :], 0)  # (S, Q)
-    if q_max == 1 and all_full:
-        return AttentionGroup(q_index, valid_flat, dst_rows, kv_slots, None, q_pos)  # equal-context decodes: no mask
     mask = (k[None, None, :] <= q_pos[:, :, None]) & q_valid[:, :, None]  # (S, Q, L)
     mask |= (~q_valid)[:, :, None] & (k == 0)[None, None, :]  # padded query rows see column 0 only
-    return AttentionGroup(q_index, valid_flat, dst_rows, kv_slots, mask[:, None], q_pos)
+    return AttentionGroup(q_index, valid_flat, q_index.flatten()[valid_flat], kv_slots, mask[:, None], q_pos)
 
 
 def explicit_attention(

@@ -114,15 +114,15 @@ class LLMEngine:
             with self.runner.attached():
                 logits = self.runner.run(batch)  # (R, V)
             t2 = time.perf_counter()
-            seqs = [s for s, _ in batch.samples]
+            seqs = batch.samples
             if seqs != self._sampled_seqs:  # the sampling constants change with the sampled requests only
                 self._sampling = build_sampling_batch([s.sampler_row for s in seqs], logits.device)
                 self._sampled_seqs = seqs
             positions = int64_tensor([s.num_completion_tokens for s in seqs], logits.device)  # (R,)
             tokens, logprobs = sample(logits, self._sampling, positions)
-            sampled = list(zip(tokens.tolist(), logprobs.tolist(), strict=True))  # host: one copy of each
+            tokens, logprobs = tokens.tolist(), logprobs.tolist()  # host: one copy of each
         except Exception as err:
-            touched = [s for s, _ in batch.chunks + batch.samples]  # and the followers of each, forked or not
+            touched = [s for s, _ in batch.chunks] + batch.samples  # and the followers of each, forked or not
             failed = list({id(s): s for s in touched + [f for s in touched for f in s.followers]}.values())
             for seq in failed:
                 self.scheduler.finish(seq)
@@ -130,14 +130,14 @@ class LLMEngine:
             self._counters["num_failed_requests"] += len(failed)
             ids = [s.request_id for s in failed]
             raise EngineStepError(f"model step failed for requests {ids}: {type(err).__name__}: {err}", ids) from err
-        finished = self.scheduler.postprocess(batch, sampled)
+        finished = self.scheduler.postprocess(batch, tokens, logprobs)
         c = self._counters
         c["num_steps"] += 1
         c["num_forward_tokens"] += batch.num_tokens
         c["num_decode_tokens"] += batch.num_decode_tokens
         c["num_partial_prefills"] += batch.num_partial_prefills
         c["num_prefill_tokens"] = c["num_forward_tokens"] - c["num_decode_tokens"]
-        c["num_generated_tokens"] += len(sampled)
+        c["num_generated_tokens"] += len(tokens)
         self._timers["schedule_s"] += t1 - t0
         self._timers["model_s"] += t2 - t1
         self._timers["sample_s"] += time.perf_counter() - t2
@@ -184,7 +184,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_shared_prefills": self.scheduler.num_forks,
             "num_cow_copies": self.block_manager.num_cow_copies,
-            "attention_padding_waste": 1.0 - r.num_pairs / r.num_padded_pairs if r.num_padded_pairs else 0.0,
+            "attention_padding_waste": 1.0 - float(r.num_pairs) / r.num_padded_pairs if r.num_padded_pairs else 0.0,
             "kv_cache_bytes": r.cache.num_bytes,
             "num_blocks": self.block_manager.num_blocks,
             "block_size": self.config.block_size,

@@ -66,11 +66,10 @@ class ModelRunner:
                 self._depth -= 1
 
     def _metadata(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, StepMetadata, torch.Tensor]:
-        """Input ids (1, T), positions (1, T), the attention metadata and each chunk's first packed row (C,)."""
+        """Input ids (1, T), positions (1, T), the attention metadata and each chunk's last packed row (C,)."""
         bs, dev = self.block_size, self.device
         ids, starts, lengths, tables = array("q"), array("q"), array("q"), array("q")
         pad = [0] * max(len(seq.block_table) for seq, _ in batch.chunks)
-        pairs = 0
         for seq, n in batch.chunks:  # the one per-sequence loop: host arrays, turned into tensors below
             start = seq.num_computed_tokens
             ids.extend(seq.token_ids[start : start + n])
@@ -78,7 +77,6 @@ class ModelRunner:
             lengths.append(n)
             tables.extend(seq.block_table)
             tables.extend(pad[len(seq.block_table) :])
-            pairs += n * start + n * (n + 1) // 2
         num_chunks, num_tokens = len(starts), len(ids)
         starts_t, lengths_t = int64_tensor(starts, dev), int64_tensor(lengths, dev)  # (C,)
         tables_t = int64_tensor(tables, dev).view(num_chunks, len(pad))  # (C, W)
@@ -96,25 +94,24 @@ class ModelRunner:
             if not members:
                 continue
             ends = [starts[c] + lengths[c] for c in members]
+            q_max, l_max = max(lengths[c] for c in members), max(ends)
             sel = slice(None) if len(members) == num_chunks else int64_tensor(members, dev)
-            sub = tables_t[sel]  # (S, W)
-            groups.append(build_group(starts_t[sel], lengths_t[sel], offsets_t[sel], max(lengths[c] for c in members),
-                                      max(ends), min(ends) == max(ends),
-                                      lambda pos, sub=sub: sub.gather(1, pos // bs) * bs + pos % bs))  # fmt: skip
+            groups.append(build_group(starts_t[sel], lengths_t[sel], offsets_t[sel], tables_t[sel], bs, q_max, l_max,
+                                      min(ends) == l_max))  # fmt: skip
         padded = sum(int(g.q_index.numel()) * int(g.kv_slots.shape[1]) for g in groups)
+        pairs = (lengths_t * (2 * starts_t + lengths_t + 1)).sum() // 2  # a device scalar: no sync for a statistic
         meta = StepMetadata(slot_mapping, tuple(groups), pairs, padded)
-        return int64_tensor(ids, dev)[None], positions[None], meta, offsets_t
+        return int64_tensor(ids, dev)[None], positions[None], meta, offsets_t + lengths_t - 1
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """One forward over the batch; returns float logits (R, V), row r for ``batch.samples[r]``."""
         if not batch.chunks:
             return torch.empty(0, self.vocab_size, device=self.device)
         self.cache.copy_blocks(batch.copies)
-        input_ids, position_ids, meta, offsets = self._metadata(batch)
-        last_rows = offsets + int64_tensor([n for _, n in batch.chunks], self.device) - 1  # (C,)
+        input_ids, position_ids, meta, last_rows = self._metadata(batch)  # last_rows (C,)
         rows = None  # each chunk samples once, in order: the kept logits are the rows
         if batch.num_partial_prefills or len(batch.samples) != len(batch.chunks):
-            sample_chunks = int64_tensor([c for _, c in batch.samples], self.device)  # (R,) non-decreasing
+            sample_chunks = int64_tensor(batch.sample_chunks, self.device)  # (R,) non-decreasing
             kept, rows = torch.unique_consecutive(sample_chunks, return_inverse=True)  # (U,), (R,)
             last_rows = last_rows[kept]
         self.num_pairs += meta.num_pairs

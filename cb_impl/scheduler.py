@@ -27,16 +27,19 @@ from cb_impl.sequence import Sequence, SequenceStatus
 
 @dataclass(slots=True)
 class ScheduledBatch:
-    """One step's work: ``(seq, num_new_tokens)`` chunks in packing order, the sequences that sample this step
-    with the index of the chunk whose last logits they use, and block copies to perform before the forward; counts
+    """One step's work: ``(seq, num_new_tokens)`` chunks in packing order, the sequences that sample this step and
+    (``sample_chunks``) the index of the chunk whose last logits each uses, block copies to perform before the forward;
+    counts
     of the chunks' tokens, of decode tokens (one-token chunks of a completion token) and of partial prefills."""
 
     chunks: list[tuple[Sequence, int]] = field(default_factory=list)
-    samples: list[tuple[Sequence, int]] = field(default_factory=list)
+    samples: list[Sequence] = field(default_factory=list)
+    sample_chunks: list[int] = field(default_factory=list)  # non-decreasing
     copies: list[tuple[int, int]] = field(default_factory=list)
     num_tokens: int = 0
     num_decode_tokens: int = 0
     num_partial_prefills: int = 0
+    forks: bool = False  # some sampling sequence is a follower, forked from its parent after the forward
 
 
 class Scheduler:
@@ -78,7 +81,7 @@ class Scheduler:
             i += 1
             if seq.parent is not None:  # a follower waits for its parent's prefill
                 continue
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)  # 1 for a decode
             while (cost := bm.append_cost(seq, num_new)) > bm.num_free_blocks:
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -104,9 +107,12 @@ class Scheduler:
             batch.num_partial_prefills += 1
             return
         chunk_index = len(batch.chunks) - 1
-        batch.samples.append((seq, chunk_index))
+        batch.samples.append(seq)
+        batch.sample_chunks.append(chunk_index)
         if seq.followers:
-            batch.samples += [(f, chunk_index) for f in seq.followers]
+            batch.samples += seq.followers
+            batch.sample_chunks += [chunk_index] * len(seq.followers)
+            batch.forks = True
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> int:
         bm = self.block_manager
@@ -147,14 +153,14 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def postprocess(self, batch: ScheduledBatch, sampled: list[tuple[int, float]]) -> list[Sequence]:
+    def postprocess(self, batch: ScheduledBatch, tokens: list[int], logprobs: list[float]) -> list[Sequence]:
         """Advance the computed counts, fork followers, append the sampled tokens (one per ``batch.samples``
         entry, same order); returns the sequences that finished, already freed."""
-        if len(sampled) != len(batch.samples):
-            raise ValueError(f"{len(sampled)} sampled tokens for {len(batch.samples)} sampling sequences")
+        if len(tokens) != len(batch.samples) or len(logprobs) != len(tokens):
+            raise ValueError(f"{len(tokens)} tokens, {len(logprobs)} log-probs for {len(batch.samples)} samples")
         for seq, num_new in batch.chunks:
             seq.num_computed_tokens += num_new
-        for seq, _ in batch.samples:  # a parent comes before its followers; forks only read the parent's blocks
+        for seq in batch.samples if batch.forks else ():  # parents precede followers; a fork reads its blocks
             if seq.parent is not None:
                 self.block_manager.fork(seq.parent, seq)
                 seq.num_computed_tokens = seq.parent.num_computed_tokens
@@ -163,7 +169,7 @@ class Scheduler:
             if seq.followers:
                 seq.followers = []
         finished = []
-        for (seq, _), (token, logprob) in zip(batch.samples, sampled, strict=True):
+        for seq, token, logprob in zip(batch.samples, tokens, logprobs, strict=True):
             if seq.append_token(token, logprob):
                 self.finish(seq)
                 finished.append(seq)

@@ -86,9 +86,15 @@ def test_a_group_masks_exactly_the_causal_window_of_each_query(chunks, window):
     offsets = [sum(lengths[:i]) for i in range(len(chunks))]
     q_max, l_max = max(lengths), max(a + n for a, n in zip(starts, lengths, strict=True))
     all_full = all(a + n == l_max for a, n in zip(starts, lengths, strict=True))
-    rows = torch.arange(len(chunks))[:, None]
-    group = build_group(torch.tensor(starts), torch.tensor(lengths), torch.tensor(offsets), q_max, l_max, all_full,
-                        lambda pos: rows * 100 + pos)  # fmt: skip
+    bs, width = 3, -(-l_max // 3)
+    tables = [[(5 * s + 2 * j + 1) % 97 for j in range(width)] for s in range(len(chunks))]  # distinct, unordered
+    group = build_group(torch.tensor(starts), torch.tensor(lengths), torch.tensor(offsets), torch.tensor(tables), bs,
+                        q_max, l_max, all_full)  # fmt: skip
+    for s, (start, n) in enumerate(chunks):  # a key column's slot; padding columns read the sequence's position 0
+        want = [tables[s][p // bs] * bs + p % bs if p < start + n else tables[s][0] * bs for p in range(l_max)]
+        assert group.kv_slots[s].tolist() == want, (s, group.kv_slots[s])
+    want_rows = [offsets[s] + q for s, (_, n) in enumerate(chunks) for q in range(n)]
+    assert group.dst_rows.tolist() == want_rows and group.q_index.flatten()[group.valid_flat].tolist() == want_rows
     full = torch.ones(len(chunks), 1, q_max, l_max, dtype=torch.bool) if group.mask is None else group.mask
     for w, mask in ((None, full), (window, group.window_mask(window))):
         for s, (start, n) in enumerate(chunks):

@@ -74,14 +74,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         for seq, n in batch.chunks:
             assert n >= 1 and seq.status is SequenceStatus.RUNNING and seq.parent is None
             assert seq.num_computed_tokens + n <= len(seq.block_table) * self.bm.block_size, "write past the blocks"
-        for seq, c in batch.samples:
+        assert len(batch.sample_chunks) == len(batch.samples)
+        assert batch.sample_chunks == sorted(batch.sample_chunks), "the model runner needs them non-decreasing"
+        for seq, c in zip(batch.samples, batch.sample_chunks, strict=True):
             owner, n = batch.chunks[c]
             assert owner is seq or seq.parent is owner, "a sample reads another sequence's logits"
             assert owner.num_computed_tokens + n == owner.num_tokens, "sampling before the input is computed"
             if seq is not owner:
                 assert seq.token_ids == owner.token_ids and not seq.block_table
-        sampled = [(fake_token(s.seq_id, s.num_completion_tokens), -1.0) for s, _ in batch.samples]
-        for seq in self.sched.postprocess(batch, sampled):
+        tokens = [fake_token(s.seq_id, s.num_completion_tokens) for s in batch.samples]
+        for seq in self.sched.postprocess(batch, tokens, [-1.0] * len(tokens)):
             assert seq.seq_id not in self.finished, f"{seq.seq_id} finished twice"
             assert seq.status is SequenceStatus.FINISHED and not seq.block_table
             self.finished.append(seq.seq_id)
