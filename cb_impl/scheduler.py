@@ -133,7 +133,7 @@ class Scheduler:
                 nxt.status, nxt.parent = SequenceStatus.RUNNING, head
                 head.followers.append(nxt)
                 self.running.append(nxt)
-            num_new = min(head.num_uncomputed_tokens, budget)
+            num_new = min(head.num_tokens, budget)  # a waiting sequence has nothing computed
             self._add_chunk(batch, head, num_new)
             budget -= num_new
         return budget

@@ -80,11 +80,6 @@ class Sequence:
     def completion_ids(self) -> tuple[int, ...]:
         return tuple(self.token_ids[self.num_prompt_tokens :])
 
-    @property
-    def num_uncomputed_tokens(self) -> int:
-        """Tokens still to run through the model before this sequence can sample its next token."""
-        return self.num_tokens - self.num_computed_tokens
-
     # --- transitions -------------------------------------------------------------------------------------------
     def append_token(self, token_id: int, logprob: float) -> bool:
         """Record a sampled token; returns True (and sets ``finish_reason``) when the sequence is now complete."""
