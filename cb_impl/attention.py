@@ -39,17 +39,14 @@ GATHER_BUDGET = 1 << 18  # elements of gathered keys (and as many values) per SD
 
 @dataclass(frozen=True, slots=True)
 class AttentionGroup:
-    """Sequences attended together: ``q_index`` (S, Q) rows of the packed T (padding -> row of the first query),
-    ``valid_flat`` (N,) the real entries of the flattened (S * Q) grid and ``dst_rows`` (N,) their packed rows,
-    ``kv_slots`` (S, L) cache slots, ``mask`` (S, 1, Q, L) True = attend, ``q_pos`` (S, Q) query positions (0 for
-    padding rows)."""
+    """Sequences attended together; a padding query row reads the sequence's first query and has position 0."""
 
-    q_index: torch.Tensor  # (S, Q)
-    valid_flat: torch.Tensor  # (N,)
-    dst_rows: torch.Tensor  # (N,)
-    kv_slots: torch.Tensor  # (S, L)
-    mask: torch.Tensor | None  # (S, 1, Q, L); None when no entry is masked
-    q_pos: torch.Tensor  # (S, Q)
+    q_index: torch.Tensor  # (S, Q) rows of the packed T
+    valid_flat: torch.Tensor  # (N,) the real entries of the flattened (S * Q) grid
+    dst_rows: torch.Tensor  # (N,) their packed rows
+    kv_slots: torch.Tensor  # (S, L) cache slots
+    mask: torch.Tensor | None  # (S, 1, Q, L) True = attend; None when no entry is masked
+    q_pos: torch.Tensor  # (S, Q) query positions
 
     def window_mask(self, window: int) -> torch.Tensor:
         """(S, 1, Q, L): ``mask`` and key position > query position - ``window`` (padding rows keep column 0)."""

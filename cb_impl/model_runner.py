@@ -52,8 +52,7 @@ class ModelRunner:
         self.attention = PagedAttention(self.cache, torch.float64 if config.float64_attention else None)
         self.attention._targets(model)  # a model that refuses a custom attention fails here, not at the first step
         self._depth = 0
-        self.num_pairs = 0
-        self.num_padded_pairs = 0
+        self.num_pairs = self.num_padded_pairs = 0
 
     @contextmanager
     def attached(self) -> Iterator[None]:
@@ -71,12 +70,16 @@ class ModelRunner:
         ids, starts, lengths, tables = array("q"), array("q"), array("q"), array("q")
         pad = [0] * max(len(seq.block_table) for seq, _ in batch.chunks)
         for seq, n in batch.chunks:  # the one per-sequence loop: host arrays, turned into tensors below
-            start = seq.num_computed_tokens
-            ids.extend(seq.token_ids[start : start + n])
+            start, table = seq.num_computed_tokens, seq.block_table
+            if n == 1:
+                ids.append(seq.token_ids[start])
+            else:
+                ids.extend(seq.token_ids[start : start + n])
             starts.append(start)
             lengths.append(n)
-            tables.extend(seq.block_table)
-            tables.extend(pad[len(seq.block_table) :])
+            tables.extend(table)
+            if len(table) < len(pad):
+                tables.extend(pad[len(table) :])
         num_chunks, num_tokens = len(starts), len(ids)
         starts_t, lengths_t = int64_tensor(starts, dev), int64_tensor(lengths, dev)  # (C,)
         tables_t = int64_tensor(tables, dev).view(num_chunks, len(pad))  # (C, W)

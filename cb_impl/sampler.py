@@ -113,8 +113,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch, positions: torch.Tensor) -> t
         return _sampled(logits, b, positions)
     if not b.sampled_rows:
         return _greedy(logits)
-    tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    logprobs = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    tokens, logprobs = (logits.new_empty(logits.shape[0], dtype=d) for d in (torch.int64, torch.float32))  # (R,) each
     g, s = (torch.tensor(rows, device=logits.device) for rows in (b.greedy_rows, b.sampled_rows))
     tokens[g], logprobs[g] = _greedy(logits[g])
     tokens[s], logprobs[s] = _sampled(logits[s], b, positions[s])
