@@ -87,13 +87,10 @@ class BlockManager:
     # --- appending -----------------------------------------------------------------------------------------------
     def append_cost(self, seq: Sequence, num_new_tokens: int) -> int:
         """Free blocks needed before ``seq`` can write ``num_new_tokens`` more tokens (new blocks + copy on write)."""
-        start = seq.num_computed_tokens
-        end = start + num_new_tokens
-        cost = max(0, blocks_for(end, self.block_size) - len(seq.block_table))
-        first = start // self.block_size
-        if start % self.block_size and first < len(seq.block_table) and self.ref_counts[seq.block_table[first]] > 1:
-            cost += 1  # the partly filled block is shared: it must be copied before we write into it
-        return cost
+        bs, table, start = self.block_size, seq.block_table, seq.num_computed_tokens
+        new = -(-(start + num_new_tokens) // bs) - len(table)  # blocks_for, inlined (once per sequence and step)
+        shared = start % bs and start // bs < len(table) and self.ref_counts[table[start // bs]] > 1
+        return (new if new > 0 else 0) + (1 if shared else 0)  # a shared, partly filled block is copied first
 
     def may_append(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
         """Make ``seq``'s blocks ready for writing ``num_new_tokens`` tokens; returns ``(src, dst)`` block copies

@@ -82,7 +82,7 @@ class Scheduler:
             if seq.parent is not None:  # a follower waits for its parent's prefill
                 continue
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)  # 1 for a decode
-            while (cost := bm.append_cost(seq, num_new)) > bm.num_free_blocks:
+            while (cost := bm.append_cost(seq, num_new)) > len(bm.free_block_ids):
                 victim = self.running[-1]
                 self.preempt(victim)
                 preempted = True

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -183,3 +184,25 @@ def test_the_block_invariant_checker_accepts_shared_blocks_and_catches_a_wrong_r
     bm.free_block_ids.append(shared)
     with pytest.raises(AssertionError, match="free/used mismatch"):
         bm.check_invariants([parent, child])
+
+
+@given(block_size=st.integers(2, 5), filled=st.integers(1, 4), spare=st.integers(0, 2), num_new=st.integers(1, 9))
+def test_append_cost_counts_new_blocks_and_the_copy_of_a_shared_partly_filled_block(
+    block_size, filled, spare, num_new
+):
+    """Writing ``num_new`` tokens after ``computed`` needs ``blocks_for(computed + num_new) - len(table)`` new blocks
+    (never fewer than 0, even with spare blocks already allocated) plus one copy when the partly filled block is
+    shared; ``may_append`` takes exactly that many free blocks."""
+    filled = min(filled, block_size - 1)  # the last computed block is partly filled
+    computed = block_size + filled
+    bm = BlockManager(40, block_size)
+    parent = Sequence(0, list(range(1, computed + 1)), max_new_tokens=9, eos_token_ids=())
+    bm.allocate(parent, computed + spare * block_size)  # spare: blocks beyond the computed tokens (a chunked input)
+    child = Sequence(1, list(parent.token_ids), max_new_tokens=9, eos_token_ids=())
+    bm.fork(parent, child)
+    child.num_computed_tokens = computed
+    new_blocks = max(0, -(-(computed + num_new) // block_size) - len(child.block_table))
+    assert bm.append_cost(child, num_new) == new_blocks + 1
+    free = bm.num_free_blocks
+    assert len(bm.may_append(child, num_new)) == 1 and bm.num_free_blocks == free - new_blocks - 1
+    bm.check_invariants([parent, child])
