@@ -51,7 +51,8 @@ def markdown(result: dict) -> str:
              f"- config: `{json.dumps(result['config'])}`", "",
              "tok/s = completion tokens / wall time; TTFT = until the batch's first completion token; KV = KV cache "
              "reserved; peak = " + (_model_memory_kind(result)) + "; waste = 1 - necessary / forwarded tokens "
-             "(cbverify/bench/measure.py); ovh = engine overhead per step (wall - forward time) / steps.",
+             "(cbverify/bench/measure.py); ovh = engine overhead per step (wall - forward time) / steps. With several "
+             "rounds of the matrix, each case is its round of median tok/s (min-max over the rounds in brackets).",
              ""]  # fmt: skip
     ratio = {(r["workload"], r["n"], r["engine"]): r for r in result["ratios"]}
     for workload in dict.fromkeys(c["workload"] for c in result["cases"]):
@@ -72,7 +73,7 @@ def markdown(result: dict) -> str:
                 check += f"; tokens = cb_impl in {c['tokens_equal_to_cb_impl']:.0%}"
             kv = None if c["kv_reserved_bytes"] is None else c["kv_reserved_bytes"] / 2**20
             lines.append(
-                f"| {c['n']} | {c['engine']} | {c['tokens_per_s']:.0f} | {c['wall_s']:.2f} "
+                f"| {c['n']} | {c['engine']} | {c['tokens_per_s']:.0f}{_spread(c)} | {c['wall_s']:.2f} "
                 f"| {_fmt(c['ttft_s'], '.3f')} "
                 f"| {_fmt(kv, '.1f')} | {c['peak_memory_mb']:.0f} | {_fmt(c['wasted_share'], '.0%')} "
                 f"| {_fmt(c['overhead_per_step_ms'], '.1f')} | {c['steps']} "
@@ -94,6 +95,13 @@ def markdown(result: dict) -> str:
     if result.get("grpo"):
         lines += ["", grpo_markdown(result["grpo"])]
     return "\n".join(lines) + "\n"
+
+
+def _spread(case: dict) -> str:
+    """`` (min-max)`` of a case's throughput over its rounds; empty for one round."""
+    if case.get("rounds", 1) < 2:
+        return ""
+    return f" ({case['tokens_per_s_min']:.0f}-{case['tokens_per_s_max']:.0f})"
 
 
 def _model_memory_kind(result: dict) -> str:

@@ -1,6 +1,10 @@
 """Run the engine matrix (each engine x workload in its own ``cbverify.bench.worker`` process), check every output,
 compute ratios against peers of the same run, and evaluate the CPU targets.
 
+Rounds: the matrix runs ``rounds`` times, the job order reversed every other round, so that a drift of the machine
+reaches every engine alike; each case is then the round of median throughput (with ``rounds`` even, the slower of the
+middle two), its min-max throughput kept beside it, so a ratio is read against the spread of the runs it came from.
+
 Checks after timing (a failed check is reported in every output file and makes ``cbverify bench`` exit 1):
 count of completions, per-request lengths (forced workloads: exactly ``L_i``; natural EOS: <= cap, ``stop`` iff the
 last token is EOS), finish reasons, and with ``temperature == 0`` token equality with ``cb_impl``.
@@ -50,6 +54,7 @@ class SuiteConfig:
     seed: int = 0
     time_forwards: bool = True
     profile: bool = False
+    rounds: int = 3
 
     def __post_init__(self) -> None:
         for name, values, allowed in (("workload", self.workloads, WORKLOADS), ("engine", self.engines, ENGINES)):
@@ -60,6 +65,8 @@ class SuiteConfig:
             raise ValueError(f"ns must be non-empty positive integers, got {list(self.ns)}")
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {self.rounds}")
 
 
 def worker_command(config: SuiteConfig, engine: str, workload: str, out: Path) -> list[str]:
@@ -79,21 +86,25 @@ def worker_command(config: SuiteConfig, engine: str, workload: str, out: Path) -
 
 
 def run_matrix(config: SuiteConfig, out_dir: Path) -> list[dict]:
-    """Every (workload, engine) in a fresh worker process, with a progress bar; returns all case records."""
+    """Every (workload, engine) in a fresh worker process, ``rounds`` times (the order reversed every other round),
+    with a progress bar; returns every round's case records (``round`` set on each)."""
     log_dir = out_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
+    for f in log_dir.glob("*.jsonl"):  # an earlier run's records, whatever its rounds, would be read back with ours
+        if not f.name.startswith("grpo-"):
+            f.unlink()
     records: list[dict] = []
     jobs = [(w, e) for w in config.workloads for e in config.engines]
+    jobs = [(k, w, e) for k in range(config.rounds) for w, e in (jobs if k % 2 == 0 else jobs[::-1])]
     env = os.environ | {
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(Path.cwd()), os.environ.get("PYTHONPATH")])),
     }
-    for workload, engine in (bar := tqdm(jobs, desc="bench", unit="job")):
-        bar.set_postfix_str(f"{workload} / {engine} / N={','.join(map(str, config.ns))}")
-        out = log_dir / f"{workload}-{engine}.jsonl"
-        out.unlink(missing_ok=True)
-        with open(log_dir / f"{workload}-{engine}.log", "w") as log:
+    for k, workload, engine in (bar := tqdm(jobs, desc="bench", unit="job")):
+        bar.set_postfix_str(f"round {k + 1} / {workload} / {engine} / N={','.join(map(str, config.ns))}")
+        out = log_dir / f"{workload}-{engine}-r{k}.jsonl"
+        with open(log_dir / f"{workload}-{engine}-r{k}.log", "w") as log:
             proc = subprocess.run(worker_command(config, engine, workload, out), stdout=log, stderr=subprocess.STDOUT,
                                   env=env, check=False)  # fmt: skip
         got = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
@@ -107,8 +118,29 @@ def run_matrix(config: SuiteConfig, out_dir: Path) -> list[dict]:
                 }
                 for n in config.ns
             ]
-        records += got
+        records += [r | {"round": k} for r in got]
     return records
+
+
+def pool_rounds(records: list[dict]) -> list[dict]:
+    """One record per (workload, N, engine): the round of median throughput, with ``rounds``, the min-max throughput
+    over the rounds and every round's output problems; a case that errored in any round is that round's error."""
+    by: dict[tuple, list[dict]] = {}
+    for r in records:
+        by.setdefault((r["workload"], r["n"], r["engine"]), []).append(r)
+    pooled = []
+    for group in by.values():
+        errors = [r for r in group if "error" in r]
+        if errors:
+            pooled.append(errors[0])
+            continue
+        runs = sorted(group, key=lambda r: r["tokens_per_s"])
+        pooled.append(runs[(len(runs) - 1) // 2] | {
+            "rounds": len(runs),
+            "tokens_per_s_min": runs[0]["tokens_per_s"], "tokens_per_s_max": runs[-1]["tokens_per_s"],
+            "check_problems": list(dict.fromkeys(p for r in runs for p in r.get("check_problems", []))),
+        })  # fmt: skip
+    return pooled
 
 
 def check_case(record: dict, config: SuiteConfig) -> list[str]:
@@ -176,8 +208,9 @@ def evaluate_targets(records: list[dict]) -> list[dict]:
 
 
 def read_logs(out_dir: Path) -> list[dict]:
-    """Every case record the workers of an earlier (possibly interrupted) run left in ``out_dir/logs``; records named
-    with a legacy engine name (``generate``) are renamed to the registry's (``hf-generate``)."""
+    """Every case record the workers of an earlier (possibly interrupted) run left in ``out_dir/logs``, one per round
+    (files ``<workload>-<engine>-r<k>.jsonl``; a file without a round is round 0); records named with a legacy engine
+    name (``generate``) are renamed to the registry's (``hf-generate``)."""
     files = sorted((out_dir / "logs").glob("*.jsonl"))
     files = [f for f in files if not f.name.startswith("grpo-")]
     records: dict[tuple, dict] = {}  # a newer file's record of the same case replaces an older-named one's
@@ -185,7 +218,8 @@ def read_logs(out_dir: Path) -> list[dict]:
         for line in f.read_text().splitlines():
             record = json.loads(line)
             record["engine"] = LEGACY_ENGINE_NAMES.get(record["engine"], record["engine"])
-            records[(record["workload"], record["n"], record["engine"])] = record
+            record.setdefault("round", 0)
+            records[(record["workload"], record["n"], record["engine"], record["round"])] = record
     if not records:
         raise FileNotFoundError(f"no worker results under {out_dir / 'logs'}")
     return list(records.values())
@@ -196,6 +230,7 @@ def run_suite(config: SuiteConfig, out_dir: Path, *, from_logs: bool = False) ->
     records = read_logs(out_dir) if from_logs else run_matrix(config, out_dir)
     for record in records:
         record["check_problems"] = check_case(record, config)
+    records = pool_rounds(records)
     token_agreement(records)
     return {
         "config": asdict(config),

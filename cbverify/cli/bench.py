@@ -42,6 +42,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "for gsm8k-like and uniform; arith always uses tiny-llama-arith (its prompts are in that vocabulary)",
     )
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default fp32 CPU, bf16 CUDA)")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of the whole matrix, the order reversed every "
+                        "other round; each case is its round of median throughput (min-max beside it)")  # fmt: skip
     parser.add_argument("--out", default="bench-results", help="output directory (created)")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1), help="torch CPU threads")
     parser.add_argument(
@@ -107,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
                          kv_headroom=args.kv_headroom, max_batch_tokens=args.max_batch_tokens,
                          temperature=args.temperature, seed=args.seed,
                          time_forwards=not args.device.startswith("cuda") if args.time_forwards is None
-                         else args.time_forwards, profile=args.profile)  # fmt: skip
+                         else args.time_forwards, profile=args.profile, rounds=args.rounds)  # fmt: skip
     result = run_suite(config, out, from_logs=args.from_logs)
     if args.grpo:
         from cbverify.bench.grpo_step import GrpoConfig, run_grpo
