@@ -52,7 +52,7 @@ def markdown(result: dict) -> str:
              "tok/s = completion tokens / wall time; TTFT = until the batch's first completion token; KV = KV cache "
              "reserved; peak = " + (_model_memory_kind(result)) + "; waste = 1 - necessary / forwarded tokens "
              "(cbverify/bench/measure.py); ovh = engine overhead per step (wall - forward time) / steps. With several "
-             "rounds of the matrix, each case is its round of median tok/s (min-max over the rounds in brackets).",
+             "rounds of the matrix, each case is its fastest round (min-max tok/s over the rounds in brackets).",
              ""]  # fmt: skip
     ratio = {(r["workload"], r["n"], r["engine"]): r for r in result["ratios"]}
     for workload in dict.fromkeys(c["workload"] for c in result["cases"]):

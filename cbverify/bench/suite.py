@@ -2,8 +2,9 @@
 compute ratios against peers of the same run, and evaluate the CPU targets.
 
 Rounds: the matrix runs ``rounds`` times, the job order reversed every other round, so that a drift of the machine
-reaches every engine alike; each case is then the round of median throughput (with ``rounds`` even, the slower of the
-middle two), its min-max throughput kept beside it, so a ratio is read against the spread of the runs it came from.
+reaches every engine alike; each case is then its fastest round (interference on a shared CPU only ever adds time:
+the least disturbed run is the best estimate of each engine's own cost, as ``timeit`` takes the minimum), its min-max
+throughput kept beside it, so a ratio is read against the spread of the runs it came from.
 
 Checks after timing (a failed check is reported in every output file and makes ``cbverify bench`` exit 1):
 count of completions, per-request lengths (forced workloads: exactly ``L_i``; natural EOS: <= cap, ``stop`` iff the
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -90,7 +92,7 @@ def run_matrix(config: SuiteConfig, out_dir: Path) -> list[dict]:
     with a progress bar; returns every round's case records (``round`` set on each)."""
     log_dir = out_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    for f in log_dir.glob("*.jsonl"):  # an earlier run's records, whatever its rounds, would be read back with ours
+    for f in [*log_dir.glob("*.jsonl"), *log_dir.glob("*.log")]:  # an earlier run's records would be read with ours
         if not f.name.startswith("grpo-"):
             f.unlink()
     records: list[dict] = []
@@ -123,7 +125,7 @@ def run_matrix(config: SuiteConfig, out_dir: Path) -> list[dict]:
 
 
 def pool_rounds(records: list[dict]) -> list[dict]:
-    """One record per (workload, N, engine): the round of median throughput, with ``rounds``, the min-max throughput
+    """One record per (workload, N, engine): the round of highest throughput, with ``rounds``, the min-max throughput
     over the rounds and every round's output problems; a case that errored in any round is that round's error."""
     by: dict[tuple, list[dict]] = {}
     for r in records:
@@ -135,7 +137,7 @@ def pool_rounds(records: list[dict]) -> list[dict]:
             pooled.append(errors[0])
             continue
         runs = sorted(group, key=lambda r: r["tokens_per_s"])
-        pooled.append(runs[(len(runs) - 1) // 2] | {
+        pooled.append(runs[-1] | {
             "rounds": len(runs),
             "tokens_per_s_min": runs[0]["tokens_per_s"], "tokens_per_s_max": runs[-1]["tokens_per_s"],
             "check_problems": list(dict.fromkeys(p for r in runs for p in r.get("check_problems", []))),
@@ -215,10 +217,11 @@ def read_logs(out_dir: Path) -> list[dict]:
     files = [f for f in files if not f.name.startswith("grpo-")]
     records: dict[tuple, dict] = {}  # a newer file's record of the same case replaces an older-named one's
     for f in files:
+        round_match = re.search(r"-r(\d+)\.jsonl$", f.name)  # the worker's records do not name their round
         for line in f.read_text().splitlines():
             record = json.loads(line)
             record["engine"] = LEGACY_ENGINE_NAMES.get(record["engine"], record["engine"])
-            record.setdefault("round", 0)
+            record["round"] = int(round_match.group(1)) if round_match else 0
             records[(record["workload"], record["n"], record["engine"], record["round"])] = record
     if not records:
         raise FileNotFoundError(f"no worker results under {out_dir / 'logs'}")

@@ -43,7 +43,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default fp32 CPU, bf16 CUDA)")
     parser.add_argument("--rounds", type=int, default=3, help="runs of the whole matrix, the order reversed every "
-                        "other round; each case is its round of median throughput (min-max beside it)")  # fmt: skip
+                        "other round; each case is its fastest round (min-max beside it)")  # fmt: skip
     parser.add_argument("--out", default="bench-results", help="output directory (created)")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1), help="torch CPU threads")
     parser.add_argument(
