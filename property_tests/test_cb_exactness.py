@@ -131,3 +131,23 @@ def test_with_sharing_off_every_prompt_is_prefilled_and_the_token_counters_add_u
     assert stats["num_prefill_tokens"] == sum(len(r.prompt_ids) for r in requests)
     assert stats["num_decode_tokens"] == sum(len(r.completion_ids) - 1 for r in got)
     assert stats["num_generated_tokens"] == sum(len(r.completion_ids) for r in got)
+
+
+@pytest.mark.parametrize("block_size", [4, 9])  # prompts of 18 and 27 tokens: end inside a block, at its end
+def test_with_sharing_on_each_group_prefills_once_and_copies_its_partly_filled_block_once_per_follower(
+    llama, block_size
+):
+    """A group of G requests with one prompt (room for all, no preemption): G - 1 followers forked from one prefill,
+    the prompt's tokens through the model once per group, and, when the prompt ends inside a block, G - 1 copies of
+    that shared block (every writer but the last copies it) -- the counters verify reports as events."""
+    model, _ = llama
+    group = 3
+    engine = LLMEngine(model, EngineConfig(block_size=block_size, num_blocks=64))
+    requests = _grpo_batch(num_prompts=2, group=group, max_new_tokens=5)
+    got = engine.generate(requests)
+    assert_matches_reference(model, requests, got, engine="cb_impl")
+    prompts = [r.prompt_ids for r in requests[::group]]
+    stats = engine.stats
+    assert stats["num_preemptions"] == 0 and stats["num_shared_prefills"] == len(prompts) * (group - 1), stats
+    assert stats["num_prefill_tokens"] == sum(len(p) for p in prompts), stats
+    assert stats["num_cow_copies"] == sum(group - 1 for p in prompts if len(p) % block_size), stats

@@ -152,6 +152,21 @@ def test_the_race_compares_scores_in_float64_below_float32_resolution(row_seeds,
     assert torch.equal(_race(processed, b, row_positions), want)
 
 
+def test_the_processors_cut_exactly_at_their_boundaries_as_the_reference_does():
+    """Equal logits make the boundaries exact: probabilities of 1/4, cumulative sums of 1/4, 1/2, 3/4 landing on
+    ``1 - top_p`` (transformers removes at ``<=``), every token tied with the maximum under ``min_p = 1`` (removed
+    only below it), and ties at the k-th score (kept). A drawn batch almost never lands on a boundary."""
+    flat = torch.zeros(1, 4)
+    cases = [SamplingParams(temperature=1.0, top_p=p) for p in (0.25, 0.5, 0.75)]
+    cases += [SamplingParams(temperature=1.0, min_p=1.0), SamplingParams(temperature=1.0, top_k=2)]
+    cases += [SamplingParams(temperature=0.5, top_k=1, top_p=0.5, min_p=1.0)]
+    for p in cases:
+        got = process_logits(flat, _batch([p], [0]))[0]
+        want = reference_process_logits(flat[0], p)
+        assert torch.equal(torch.isfinite(got), torch.isfinite(want)), (p, got, want)
+        torch.testing.assert_close(got, want, rtol=0, atol=SAME_LOGITS_ATOL)
+
+
 def test_the_gumbel_race_keeps_ties_removed_tokens_and_single_token_rows_exact():
     """Rows with a three-way tie, a top-k-off row beside top-k rows, a row with one token left, and flat rows of a
     large vocabulary (where the pruning keeps least margin), over many seeds: the pruned race picks what the
