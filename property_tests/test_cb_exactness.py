@@ -151,3 +151,31 @@ def test_with_sharing_on_each_group_prefills_once_and_copies_its_partly_filled_b
     assert stats["num_preemptions"] == 0 and stats["num_shared_prefills"] == len(prompts) * (group - 1), stats
     assert stats["num_prefill_tokens"] == sum(len(p) for p in prompts), stats
     assert stats["num_cow_copies"] == sum(group - 1 for p in prompts if len(p) % block_size), stats
+
+
+def test_the_attention_pair_counters_count_each_step_s_needed_and_computed_query_key_pairs(llama):
+    """Per step, a chunk of n queries after ``start`` cached tokens needs ``n * start + n(n+1)/2`` query-key pairs;
+    each attention group (the decodes, the longer chunks) computes its S x Q x L grid. Summed over the steps of a
+    chunked GRPO run, the runner's counters equal those counts from the schedule, and the padding waste that verify
+    and the benchmarks print is ``1 - needed / computed``."""
+    model, _ = llama
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=64, max_batch_tokens=16))
+    steps: list[list[tuple[int, int]]] = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        batch = schedule()
+        steps.append([(seq.num_computed_tokens, n) for seq, n in batch.chunks])
+        return batch
+
+    engine.scheduler.schedule = recording_schedule
+    engine.generate(_grpo_batch(num_prompts=2, group=3, max_new_tokens=6))
+    needed = sum(n * start + n * (n + 1) // 2 for chunks in steps for start, n in chunks)
+    computed = 0
+    for chunks in steps:
+        for group in ([c for c in chunks if c[1] == 1], [c for c in chunks if c[1] > 1]):
+            if group:
+                computed += len(group) * max(n for _, n in group) * max(start + n for start, n in group)
+    assert any(n > 1 and start > 0 for chunks in steps for start, n in chunks), "no chunked prefill was exercised"
+    assert int(engine.runner.num_pairs) == needed and engine.runner.num_padded_pairs == computed
+    assert engine.stats["attention_padding_waste"] == pytest.approx(1 - needed / computed, rel=1e-12)
