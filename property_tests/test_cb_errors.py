@@ -305,3 +305,15 @@ def test_the_default_config_with_a_progress_bar_and_an_idle_step_change_nothing(
     sampling = SamplingParams(temperature=1.0, top_k=10, max_new_tokens=6)
     requests = [RolloutRequest(f"r{i}", (1, 6, 5, 16, 7), sampling, seed=i, eos_token_ids=(2,)) for i in range(3)]
     assert_matches_reference(llama.model, requests, engine.generate(requests, progress=True), engine="cb_impl")
+
+
+def test_the_paged_attention_refuses_a_call_outside_an_engine_step_before_and_after_one(engine):
+    """The attention function reads the step's metadata; called with none (before any step, or after one ended) it
+    must say so, not fail somewhere inside with stale or missing metadata."""
+    attention = engine.runner.attention
+    layer = engine.model.model.layers[0].self_attn
+    q = torch.zeros(1, 2, 3, 8)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="called outside an engine step"):
+            attention(layer, q, q, q, None)
+        engine.generate([RolloutRequest("r", (1, 2, 3), SamplingParams(temperature=0.0, max_new_tokens=2))])
