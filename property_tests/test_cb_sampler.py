@@ -155,14 +155,16 @@ def test_the_race_compares_scores_in_float64_below_float32_resolution(row_seeds,
 def test_the_processors_cut_exactly_at_their_boundaries_as_the_reference_does():
     """Equal logits make the boundaries exact: probabilities of 1/4, cumulative sums of 1/4, 1/2, 3/4 landing on
     ``1 - top_p`` (transformers removes at ``<=``), every token tied with the maximum under ``min_p = 1`` (removed
-    only below it), and ties at the k-th score (kept). A drawn batch almost never lands on a boundary."""
-    flat = torch.zeros(1, 4)
-    cases = [SamplingParams(temperature=1.0, top_p=p) for p in (0.25, 0.5, 0.75)]
-    cases += [SamplingParams(temperature=1.0, min_p=1.0), SamplingParams(temperature=1.0, top_k=2)]
-    cases += [SamplingParams(temperature=0.5, top_k=1, top_p=0.5, min_p=1.0)]
-    for p in cases:
-        got = process_logits(flat, _batch([p], [0]))[0]
-        want = reference_process_logits(flat[0], p)
+    only below it), and ties at the k-th score (kept). A drawn batch almost never lands on a boundary. And a token
+    whose probability underflows to 0 stays finite when top-p is off (``top_p = 1``: no cut at a cumulative of 0)."""
+    flat, underflow = torch.zeros(1, 4), torch.tensor([[0.0, -200.0, 0.0, 0.0]])
+    cases = [(flat, SamplingParams(temperature=1.0, top_p=p)) for p in (0.25, 0.5, 0.75)]
+    cases += [(flat, SamplingParams(temperature=1.0, min_p=1.0)), (flat, SamplingParams(temperature=1.0, top_k=2))]
+    cases += [(flat, SamplingParams(temperature=0.5, top_k=1, top_p=0.5, min_p=1.0))]
+    cases += [(underflow, SamplingParams(temperature=1.0)), (underflow, SamplingParams(temperature=1.0, top_p=0.9))]
+    for logits, p in cases:
+        got = process_logits(logits, _batch([p], [0]))[0]
+        want = reference_process_logits(logits[0], p)
         assert torch.equal(torch.isfinite(got), torch.isfinite(want)), (p, got, want)
         torch.testing.assert_close(got, want, rtol=0, atol=SAME_LOGITS_ATOL)
 
