@@ -94,7 +94,7 @@ class LLMEngine:
 
     def _enqueue(self, r: RolloutRequest) -> None:
         seq = Sequence(self._next_seq_id, r.prompt_ids, max_new_tokens=r.sampling.max_new_tokens,
-                       eos_token_ids=r.eos_token_ids, request=r, request_id=r.request_id)  # fmt: skip
+                       eos_token_ids=r.eos_token_ids, request_id=r.request_id)  # fmt: skip
         seq.sampler_row = sampling_row(r.sampling, r.seed)
         self._next_seq_id += 1
         self._live[r.request_id] = seq

@@ -28,9 +28,8 @@ class Sequence:
     """Generation state of one request. ``seq_id`` is the arrival index: smaller ids arrived earlier."""
 
     __slots__ = (
-        "seq_id", "request", "request_id", "token_ids", "num_prompt_tokens", "max_new_tokens", "eos_token_ids",
-        "logprobs", "num_computed_tokens", "block_table", "status", "parent", "followers", "finish_reason",
-        "sampler_row",
+        "seq_id", "request_id", "token_ids", "num_prompt_tokens", "max_new_tokens", "eos_token_ids", "logprobs",
+        "num_computed_tokens", "block_table", "status", "parent", "followers", "finish_reason", "sampler_row",
     )  # fmt: skip
 
     def __init__(
@@ -40,7 +39,6 @@ class Sequence:
         *,
         max_new_tokens: int,
         eos_token_ids: tuple[int, ...] | frozenset[int] = (),
-        request: Any = None,
         request_id: str | None = None,
     ) -> None:
         if not prompt_ids:
@@ -48,7 +46,6 @@ class Sequence:
         if max_new_tokens < 1:
             raise ValueError(f"sequence {seq_id}: max_new_tokens must be >= 1, got {max_new_tokens}")
         self.seq_id = seq_id
-        self.request = request
         self.request_id = request_id if request_id is not None else str(seq_id)
         self.token_ids: list[int] = list(prompt_ids)
         self.num_prompt_tokens = len(self.token_ids)
