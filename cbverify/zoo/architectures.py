@@ -78,10 +78,11 @@ ARCHS: tuple[Arch, ...] = (
     Arch("mixtral", "MixtralConfig", _d(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW),
          ("moe", "sliding window (all layers)")),
     Arch("gemma", "GemmaConfig", _d(), ("scaled embeddings", "gelu")),
-    Arch("gemma2", "Gemma2Config", _d(sliding_window=WINDOW, query_pre_attn_scalar=16, attn_logit_softcapping=2.0,
+    # query_pre_attn_scalar != head_dim (16): a scale taken from the head size instead of the model fails
+    Arch("gemma2", "Gemma2Config", _d(sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
                                       final_logit_softcapping=5.0),
          ("attention softcap", "final-logit softcap", "alternating sliding/full")),
-    Arch("gemma3_text", "Gemma3TextConfig", _d(sliding_window=WINDOW, query_pre_attn_scalar=16,
+    Arch("gemma3_text", "Gemma3TextConfig", _d(sliding_window=WINDOW, query_pre_attn_scalar=24,
                                                layer_types=ALTERNATING),
          ("alternating sliding/full", "local rope", "q/k norm")),
     Arch("phi3", "Phi3Config", _d(sliding_window=WINDOW, head_dim=None), ("fused qkv", "sliding window")),
