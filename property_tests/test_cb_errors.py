@@ -4,6 +4,7 @@ requests, frees their blocks, restores the model and leaves the engine usable.""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -317,3 +318,19 @@ def test_the_paged_attention_refuses_a_call_outside_an_engine_step_before_and_af
         with pytest.raises(RuntimeError, match="called outside an engine step"):
             attention(layer, q, q, q, None)
         engine.generate([RolloutRequest("r", (1, 2, 3), SamplingParams(temperature=0.0, max_new_tokens=2))])
+
+
+def test_the_step_timers_add_up_to_the_time_spent_in_steps(llama):
+    """``schedule_s`` / ``model_s`` / ``sample_s`` (printed by the benchmarks) each accumulate over the steps: all
+    positive, together within the call's wall time and most of it (a timer holding only the last step, counting down,
+    adding clock readings or starting above zero fails)."""
+    engine = LLMEngine(llama.model, EngineConfig(block_size=4, num_blocks=32))
+    requests = [RolloutRequest(f"r{i}", (1, 2, 3 + i), SamplingParams(temperature=0.0, max_new_tokens=12))
+                for i in range(3)]  # fmt: skip
+    start = time.perf_counter()
+    engine.generate(requests)
+    wall = time.perf_counter() - start
+    stats = engine.stats
+    timers = [stats[k] for k in ("schedule_s", "model_s", "sample_s")]
+    assert stats["num_steps"] >= 10 and all(t > 0 for t in timers), stats
+    assert 0.5 * wall <= sum(timers) <= wall, (timers, wall)
