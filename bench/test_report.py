@@ -9,8 +9,15 @@ from PIL import Image
 
 from cbverify.bench import report
 from cbverify.bench.grpo_step import pool_rounds
-from cbverify.bench.suite import SuiteConfig, check_case, evaluate_targets, ratios, read_logs, token_agreement
-from cbverify.bench.suite import pool_rounds as pool_matrix_rounds
+from cbverify.bench.suite import (
+    SuiteConfig,
+    check_case,
+    evaluate_targets,
+    pool_matrix_rounds,
+    ratios,
+    read_logs,
+    token_agreement,
+)  # fmt: skip
 from cbverify.bench.timed import ENGINES
 from cbverify.bench.workloads import make_requests, make_workload
 

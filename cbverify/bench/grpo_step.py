@@ -145,26 +145,20 @@ def run_case(path: str, n: int, cfg: GrpoConfig, out_dir: str) -> dict:
 def pool_rounds(rows: list[dict]) -> list[dict]:
     """One row per (path, N) from every round's rows: step times without each round's warm-up, their median and
     spread, the generation share over the same steps, the largest peak memory."""
-    by: dict[tuple[str, int], list[dict]] = {}
-    for r in rows:
-        by.setdefault((r["path"], r["n"]), []).append(r)
-    pooled = []
-    for group in by.values():
-        errors = [r for r in group if "error" in r]
-        if errors:
-            pooled.append(errors[0])
-            continue
+
+    def pool(group: list[dict]) -> dict:
         steps = [t for r in group for t in r["step_times_s"][1:]]
         gens = (
             [g for r in group for g in (r["generation_s"] or [])[1:]] if all(r["generation_s"] for r in group) else []
         )
-        pooled.append(group[0] | {
+        return group[0] | {
             "rounds": len(group), "timed_steps": len(steps), "step_times_s": steps, "step_s": statistics.median(steps),
             "step_min_s": min(steps), "step_max_s": max(steps),
             "generation_share": sum(gens) / sum(steps) if gens else None,
             "peak_memory_mb": max(r["peak_memory_mb"] for r in group),
-        })  # fmt: skip
-    return pooled
+        }  # fmt: skip
+
+    return measure.pool_groups(rows, lambda r: (r["path"], r["n"]), pool)
 
 
 def run_grpo(cfg: GrpoConfig, out_dir: Path, *, from_logs: bool = False) -> dict:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import platform
 import resource
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -130,3 +130,12 @@ def peak_memory(device: str, baseline_bytes: float, base_rss_mb: float) -> dict:
                 "memory_kind": "cuda max_memory_allocated"}  # fmt: skip
     peak = peak_rss_mb()
     return {"peak_memory_mb": peak, "peak_memory_delta_mb": max(0.0, peak - base_rss_mb), "memory_kind": "peak RSS"}
+
+
+def pool_groups(rows: Sequence[dict], key: Callable[[dict], tuple], pool: Callable[[list[dict]], dict]) -> list[dict]:
+    """Rows grouped by ``key`` (first-seen order), one result per group: its first row with an ``error`` if any
+    (an error in any round is the case's result), else ``pool(group)``."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(key(row), []).append(row)
+    return [next((r for r in group if "error" in r), None) or pool(group) for group in groups.values()]

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from cbverify.bench.measure import pool_groups
 from cbverify.bench.timed import DEFAULT_ENGINES, ENGINES
 from cbverify.bench.workloads import WORKLOADS, make_requests, make_workload
 
@@ -124,25 +125,18 @@ def run_matrix(config: SuiteConfig, out_dir: Path) -> list[dict]:
     return records
 
 
-def pool_rounds(records: list[dict]) -> list[dict]:
+def _fastest_round(group: list[dict]) -> dict:
+    runs = sorted(group, key=lambda r: r["tokens_per_s"])
+    return runs[-1] | {
+        "rounds": len(runs), "tokens_per_s_min": runs[0]["tokens_per_s"], "tokens_per_s_max": runs[-1]["tokens_per_s"],
+        "check_problems": list(dict.fromkeys(p for r in runs for p in r.get("check_problems", []))),
+    }  # fmt: skip
+
+
+def pool_matrix_rounds(records: list[dict]) -> list[dict]:
     """One record per (workload, N, engine): the round of highest throughput, with ``rounds``, the min-max throughput
     over the rounds and every round's output problems; a case that errored in any round is that round's error."""
-    by: dict[tuple, list[dict]] = {}
-    for r in records:
-        by.setdefault((r["workload"], r["n"], r["engine"]), []).append(r)
-    pooled = []
-    for group in by.values():
-        errors = [r for r in group if "error" in r]
-        if errors:
-            pooled.append(errors[0])
-            continue
-        runs = sorted(group, key=lambda r: r["tokens_per_s"])
-        pooled.append(runs[-1] | {
-            "rounds": len(runs),
-            "tokens_per_s_min": runs[0]["tokens_per_s"], "tokens_per_s_max": runs[-1]["tokens_per_s"],
-            "check_problems": list(dict.fromkeys(p for r in runs for p in r.get("check_problems", []))),
-        })  # fmt: skip
-    return pooled
+    return pool_groups(records, lambda r: (r["workload"], r["n"], r["engine"]), _fastest_round)
 
 
 def check_case(record: dict, config: SuiteConfig) -> list[str]:
@@ -233,7 +227,7 @@ def run_suite(config: SuiteConfig, out_dir: Path, *, from_logs: bool = False) ->
     records = read_logs(out_dir) if from_logs else run_matrix(config, out_dir)
     for record in records:
         record["check_problems"] = check_case(record, config)
-    records = pool_rounds(records)
+    records = pool_matrix_rounds(records)
     token_agreement(records)
     return {
         "config": asdict(config),
