@@ -192,17 +192,20 @@ def test_append_cost_counts_new_blocks_and_the_copy_of_a_shared_partly_filled_bl
 ):
     """Writing ``num_new`` tokens after ``computed`` needs ``blocks_for(computed + num_new) - len(table)`` new blocks
     (never fewer than 0, even with spare blocks already allocated) plus one copy when the partly filled block is
-    shared; ``may_append`` takes exactly that many free blocks."""
+    shared; ``may_append`` takes exactly that many free blocks, also when no other block is free."""
     filled = min(filled, block_size - 1)  # the last computed block is partly filled
     computed = block_size + filled
-    bm = BlockManager(40, block_size)
+    allocated = -(-(computed + spare * block_size) // block_size)
+    new_blocks = max(0, -(-(computed + num_new) // block_size) - allocated)
+    bm = BlockManager(allocated + new_blocks + 1, block_size)  # exactly the blocks the append needs are free
     parent = Sequence(0, list(range(1, computed + 1)), max_new_tokens=9, eos_token_ids=())
     bm.allocate(parent, computed + spare * block_size)  # spare: blocks beyond the computed tokens (a chunked input)
     child = Sequence(1, list(parent.token_ids), max_new_tokens=9, eos_token_ids=())
     bm.fork(parent, child)
     child.num_computed_tokens = computed
-    new_blocks = max(0, -(-(computed + num_new) // block_size) - len(child.block_table))
     assert bm.append_cost(child, num_new) == new_blocks + 1
     free = bm.num_free_blocks
-    assert len(bm.may_append(child, num_new)) == 1 and bm.num_free_blocks == free - new_blocks - 1
+    assert len(bm.may_append(child, num_new)) == 1 and bm.num_free_blocks == free - new_blocks - 1 == 0
+    parent.num_computed_tokens = computed  # its partly filled block is its own again: one more token costs nothing
+    assert bm.append_cost(parent, 1) == 0 and bm.may_append(parent, 1) == []
     bm.check_invariants([parent, child])
