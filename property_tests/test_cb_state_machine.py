@@ -62,6 +62,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         TALLY["scheduler steps"] += 1
         waiting_before = [s.seq_id for s in self.sched.waiting]
         running_before = {s.seq_id for s in self.sched.running}
+        preemptions_before = self.sched.num_preemptions
         batch = self.sched.schedule()
         assert batch.num_tokens <= self.max_batch_tokens
         assert len(self.sched.running) <= self.max_num_seqs
@@ -69,6 +70,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         still_waiting = [s.seq_id for s in self.sched.waiting]
         # FIFO: those admitted are exactly the oldest waiting ones (preempted ones re-enter at the head)
         assert all(a < w for a in admitted for w in still_waiting if w in waiting_before), (admitted, still_waiting)
+        if self.sched.num_preemptions > preemptions_before:  # the policy: no admission in a step that preempts
+            assert not admitted, f"admitted {admitted} in a step that preempted (would thrash)"
         self.ever_admitted.update(admitted)
         chunk_seqs = [s for s, _ in batch.chunks]
         assert len({id(s) for s in chunk_seqs}) == len(chunk_seqs), "a sequence scheduled twice in one step"
