@@ -28,9 +28,8 @@ from cb_impl.sequence import Sequence, SequenceStatus
 @dataclass(slots=True)
 class ScheduledBatch:
     """One step's work: ``(seq, num_new_tokens)`` chunks in packing order, the sequences that sample this step and
-    (``sample_chunks``) the index of the chunk whose last logits each uses, block copies to perform before the forward;
-    counts
-    of the chunks' tokens, of decode tokens (one-token chunks of a completion token) and of partial prefills."""
+    (``sample_chunks``) the chunk whose last logits each uses, block copies to perform before the forward; counts of
+    the chunks' tokens, of decode tokens (one-token chunks of a completion token) and of partial prefills."""
 
     chunks: list[tuple[Sequence, int]] = field(default_factory=list)
     samples: list[Sequence] = field(default_factory=list)
