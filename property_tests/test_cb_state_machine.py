@@ -212,3 +212,20 @@ def test_append_cost_counts_new_blocks_and_the_copy_of_a_shared_partly_filled_bl
     parent.num_computed_tokens = computed  # its partly filled block is its own again: one more token costs nothing
     assert bm.append_cost(parent, 1) == 0 and bm.may_append(parent, 1) == []
     bm.check_invariants([parent, child])
+
+
+def test_the_scheduler_refuses_an_arrival_that_does_not_increase_the_ids_and_the_block_peak_is_counted():
+    """Arrival order is the sequence id (FIFO and preemption order depend on it): an id equal to the last one queued is
+    refused. The block manager's peak starts at 0 and follows the most blocks ever in use (the KV peak the benchmarks
+    report)."""
+    bm = BlockManager(8, 4)
+    sched = Scheduler(bm, max_batch_tokens=8, max_num_seqs=4, enable_prefix_sharing=False)
+    sched.add(Sequence(3, [1, 2], max_new_tokens=1))
+    with pytest.raises(ValueError, match="must increase"):
+        sched.add(Sequence(3, [1, 2], max_new_tokens=1))
+    assert bm.peak_used_blocks == 0
+    first, second = Sequence(5, list(range(1, 10)), max_new_tokens=1), Sequence(6, [1], max_new_tokens=1)
+    bm.allocate(first, 9)  # 3 blocks
+    bm.allocate(second, 1)  # 4 in use
+    bm.deallocate(first)
+    assert bm.peak_used_blocks == 4 and bm.num_used_blocks == 1
