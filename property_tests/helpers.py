@@ -1,4 +1,5 @@
-"""Assertions shared by the property tests (one way to say "matches the reference")."""
+"""Assertions shared by the property tests (one way to say "matches the reference"), and the GRPO batch several
+of them run."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import pytest
 
 from cbverify.compare import check_conventions, check_results, compare_tokens
 from cbverify.tolerances import FP32, Tier
+from reference import tasks
 from reference.generate import generate as reference_generate
-from reference.spec import Rollout, RolloutRequest
+from reference.spec import Rollout, RolloutRequest, SamplingParams
 
 # Measurements tests report without asserting (e.g. batch invariance an engine does not claim); the root conftest
 # prints them in pytest's terminal summary.
@@ -76,3 +78,12 @@ def _vllm_problem() -> str | None:
 
 
 needs_vllm = pytest.mark.skipif(_vllm_problem() is not None, reason=str(_vllm_problem()))
+
+
+def grpo_batch(num_prompts: int, group: int, max_new_tokens: int) -> list[RolloutRequest]:
+    """GRPO groups of arithmetic prompts: ``group`` sampled requests per prompt, distinct seeds, EOS ends them."""
+    problems = tasks.make_problems(num_prompts, seed=11)
+    sampling = SamplingParams(temperature=1.0, top_k=10, top_p=0.95, max_new_tokens=max_new_tokens)
+    return [RolloutRequest(f"p{p}-g{g}", tuple(tasks.prompt_ids(prob)), sampling, seed=1000 * p + g,
+                           eos_token_ids=(tasks.EOS_ID,))
+            for p, prob in enumerate(problems) for g in range(group)]  # fmt: skip

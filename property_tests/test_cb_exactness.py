@@ -18,10 +18,9 @@ from cb_impl.attention import GATHER_BUDGET
 from cb_impl.config import EngineConfig
 from cb_impl.engine import LLMEngine
 from cbverify.tolerances import FP32
-from property_tests.helpers import assert_matches_reference
+from property_tests.helpers import assert_matches_reference, grpo_batch
 from property_tests.strategies import cb_arrival_plans, rollout_requests
-from reference import tasks
-from reference.spec import Rollout, RolloutRequest, SamplingParams
+from reference.spec import Rollout, RolloutRequest
 
 
 def run_with_arrivals(engine: LLMEngine, requests: list[RolloutRequest], order: list[int], steps: list[int]) -> list:
@@ -61,18 +60,10 @@ def test_cb_matches_reference_for_any_batch_arrival_chunking_sharing_and_memory_
     assert_engine_idle_and_clean(engine)
 
 
-def _grpo_batch(num_prompts: int, group: int, max_new_tokens: int) -> list[RolloutRequest]:
-    problems = tasks.make_problems(num_prompts, seed=11)
-    sampling = SamplingParams(temperature=1.0, top_k=10, top_p=0.95, max_new_tokens=max_new_tokens)
-    return [RolloutRequest(f"p{p}-g{g}", tuple(tasks.prompt_ids(prob)), sampling, seed=1000 * p + g,
-                           eos_token_ids=(tasks.EOS_ID,))
-            for p, prob in enumerate(problems) for g in range(group)]  # fmt: skip
-
-
 def test_cb_preempts_shares_prompts_and_copies_on_write_without_changing_any_rollout(llama):
     """A tight cache with GRPO groups: the run must really preempt, share and copy on write, and stay exact."""
     model, _ = llama
-    requests = _grpo_batch(num_prompts=3, group=4, max_new_tokens=20)
+    requests = grpo_batch(num_prompts=3, group=4, max_new_tokens=20)
     longest = max(len(r.prompt_ids) for r in requests) + 20
     engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=-(-longest // 4) + 4, max_batch_tokens=16))
     rollouts = engine.generate(requests)
@@ -88,7 +79,7 @@ def test_cb_engine_is_persistent_and_reads_weights_live(llama):
     model, _ = llama
     model = type(model)(model.config).eval()
     model.load_state_dict(llama.model.state_dict())
-    requests = _grpo_batch(num_prompts=2, group=2, max_new_tokens=12)
+    requests = grpo_batch(num_prompts=2, group=2, max_new_tokens=12)
     engine = LLMEngine(model, EngineConfig(block_size=8, num_blocks=64))
     cache = engine.runner.cache.key
     first = engine.generate(requests)
@@ -104,7 +95,7 @@ def test_cb_engine_is_persistent_and_reads_weights_live(llama):
 @pytest.mark.parametrize("sharing", [True, False])
 def test_cb_generate_equals_incremental_arrivals_for_the_same_requests(llama, sharing):
     model, _ = llama
-    requests = _grpo_batch(num_prompts=2, group=3, max_new_tokens=10)
+    requests = grpo_batch(num_prompts=2, group=3, max_new_tokens=10)
     config = EngineConfig(block_size=4, num_blocks=40, max_batch_tokens=8, enable_prefix_sharing=sharing)
     batch = LLMEngine(model, config).generate(requests)
     order = list(reversed(range(len(requests))))
@@ -115,67 +106,3 @@ def test_cb_generate_equals_incremental_arrivals_for_the_same_requests(llama, sh
                for a, b in zip(x.logprobs, y.logprobs, strict=True)) <= 2 * FP32.logprob_max_abs  # fmt: skip
     repro = f"incremental arrivals, sharing={sharing}"
     assert_matches_reference(model, requests, incremental, engine="cb_impl", repro=repro)
-
-
-def test_with_sharing_off_every_prompt_is_prefilled_and_the_token_counters_add_up(llama):
-    """``enable_prefix_sharing=False``: no group shares a prefill, every prompt token goes through the model, and
-    the counters (what verify and the benchmarks report) equal counts made from the requests and rollouts."""
-    model, _ = llama
-    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=64, enable_prefix_sharing=False))
-    assert engine.stats["num_prefill_tokens"] == 0
-    requests = _grpo_batch(num_prompts=2, group=3, max_new_tokens=5)
-    got = engine.generate(requests)
-    assert_matches_reference(model, requests, got, engine="cb_impl")
-    stats = engine.stats
-    assert stats["num_shared_prefills"] == 0
-    assert stats["num_prefill_tokens"] == sum(len(r.prompt_ids) for r in requests)
-    assert stats["num_decode_tokens"] == sum(len(r.completion_ids) - 1 for r in got)
-    assert stats["num_generated_tokens"] == sum(len(r.completion_ids) for r in got)
-
-
-@pytest.mark.parametrize("block_size", [4, 9])  # prompts of 18 and 27 tokens: end inside a block, at its end
-def test_with_sharing_on_each_group_prefills_once_and_copies_its_partly_filled_block_once_per_follower(
-    llama, block_size
-):
-    """A group of G requests with one prompt (room for all, no preemption): G - 1 followers forked from one prefill,
-    the prompt's tokens through the model once per group, and, when the prompt ends inside a block, G - 1 copies of
-    that shared block (every writer but the last copies it) -- the counters verify reports as events."""
-    model, _ = llama
-    group = 3
-    engine = LLMEngine(model, EngineConfig(block_size=block_size, num_blocks=64))
-    requests = _grpo_batch(num_prompts=2, group=group, max_new_tokens=5)
-    got = engine.generate(requests)
-    assert_matches_reference(model, requests, got, engine="cb_impl")
-    prompts = [r.prompt_ids for r in requests[::group]]
-    stats = engine.stats
-    assert stats["num_preemptions"] == 0 and stats["num_shared_prefills"] == len(prompts) * (group - 1), stats
-    assert stats["num_prefill_tokens"] == sum(len(p) for p in prompts), stats
-    assert stats["num_cow_copies"] == sum(group - 1 for p in prompts if len(p) % block_size), stats
-
-
-def test_the_attention_pair_counters_count_each_step_s_needed_and_computed_query_key_pairs(llama):
-    """Per step, a chunk of n queries after ``start`` cached tokens needs ``n * start + n(n+1)/2`` query-key pairs;
-    each attention group (the decodes, the longer chunks) computes its S x Q x L grid. Summed over the steps of a
-    chunked GRPO run, the runner's counters equal those counts from the schedule, and the padding waste that verify
-    and the benchmarks print is ``1 - needed / computed``."""
-    model, _ = llama
-    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=64, max_batch_tokens=16))
-    steps: list[list[tuple[int, int]]] = []
-    schedule = engine.scheduler.schedule
-
-    def recording_schedule():
-        batch = schedule()
-        steps.append([(seq.num_computed_tokens, n) for seq, n in batch.chunks])
-        return batch
-
-    engine.scheduler.schedule = recording_schedule
-    engine.generate(_grpo_batch(num_prompts=2, group=3, max_new_tokens=6))
-    needed = sum(n * start + n * (n + 1) // 2 for chunks in steps for start, n in chunks)
-    computed = 0
-    for chunks in steps:
-        for group in ([c for c in chunks if c[1] == 1], [c for c in chunks if c[1] > 1]):
-            if group:
-                computed += len(group) * max(n for _, n in group) * max(start + n for start, n in group)
-    assert any(n > 1 and start > 0 for chunks in steps for start, n in chunks), "no chunked prefill was exercised"
-    assert int(engine.runner.num_pairs) == needed and engine.runner.num_padded_pairs == computed
-    assert engine.stats["attention_padding_waste"] == pytest.approx(1 - needed / computed, rel=1e-12)
