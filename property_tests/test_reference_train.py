@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
+import statistics
 
 import pytest
+import torch
 
 from cbverify.cli.train import make_generate
 from cbverify.tolerances import FP32, TRAINER_FP32
-from reference.train import TrainConfig, build_parser, train
+from reference.generate import generate
+from reference.train import TrainConfig, build_parser, main, run, train
 
 TINY = {"steps": 2, "num_prompts": 1, "num_generations": 2, "max_new_tokens": 8, "min_terms": 2, "max_terms": 2}
 TIMING_KEYS = ("step_time_s",)
@@ -72,3 +76,69 @@ def test_cbverify_train_offers_the_oracle_and_cb_impl_and_nothing_else():
 def test_invalid_train_configs_are_rejected_with_a_message_naming_the_field(overrides, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig(**overrides)
+
+
+TINY_ARGV = ["--steps", "2", "--num-prompts", "1", "--num-generations", "2", "--max-new-tokens", "8",
+             "--min-terms", "2", "--max-terms", "2", "--threads", "1"]  # fmt: skip
+
+
+def test_the_flags_parse_to_the_config_defaults_and_to_each_fields_type():
+    args = build_parser().parse_args([])
+    for name in TrainConfig.__slots__:
+        assert getattr(args, name) == getattr(TrainConfig(), name), name
+    argv = ["--steps", "3", "--temperature", "0.5", "--epsilon-high", "0.3", "--is-correction", "token_truncate",
+            "--model", "m", "--is-clip-max", "2"]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    assert (args.steps, args.temperature, args.epsilon_high, args.is_correction) == (3, 0.5, 0.3, "token_truncate")
+    assert type(args.steps) is int and type(args.is_clip_max) is float and args.model == "m"
+    assert args.json is False and args.threads == 2
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--loss-type", "ppo"])
+
+
+def test_the_command_line_prints_each_step_train_computes_and_the_reward_summary(capsys):
+    """``main`` (``python -m reference.train``) against ``train`` called directly with the same config."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert main([*TINY_ARGV, "--steps", "5", "--json"]) == 0  # 5 steps: the summary's k = 5 // 5 = 1
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+    out, err = capsys.readouterr()
+    lines = out.strip().splitlines()
+    config = TrainConfig(**{**TINY, "steps": 5})
+    expected = train(config)
+    assert len(lines) == len(expected) + 1
+    printed = [json.loads(line) for line in lines[:-1]]
+    assert _strip_timing(printed) == _strip_timing(expected)
+    config_line = json.loads(err.lstrip().splitlines()[0])  # the run's whole config, first on stderr
+    assert config_line == {name: getattr(config, name) for name in TrainConfig.__slots__}
+    rewards = [r["mean_reward"] for r in expected]
+    k = max(1, len(rewards) // 5)
+    first, last = statistics.mean(rewards[:k]), statistics.mean(rewards[-k:])
+    assert lines[-1].startswith(f"mean reward: first {k} steps {first:.3f}, last {k} steps {last:.3f}; ")
+
+    assert main([*TINY_ARGV, "--steps", "5"]) == 0  # the table: one row per step with the step's numbers
+    rows = capsys.readouterr().out.strip().splitlines()[:-1]
+    for record, row in zip(expected, rows, strict=True):
+        assert row.startswith(
+            f"step {record['step']:3d}  reward {record['mean_reward']:.3f}  loss {record['loss']:+.4f}  "
+        )
+        assert f"len {record['mean_completion_length']:.1f}  " in row and f"grad {record['grad_norm']:.3f}" in row
+
+
+def test_the_command_line_generates_with_the_engine_it_is_given_on_the_model_it_trains(capsys):
+    seen = []
+
+    def make_generate(model):
+        def engine(requests):
+            seen.append((model, len(requests), model.training))
+            return generate(model, requests)
+
+        return engine
+
+    assert run(build_parser().parse_args([*TINY_ARGV, "--json"]), make_generate=make_generate) == 0
+    (model, n0, training0), (same, n1, training1) = seen
+    assert isinstance(model, torch.nn.Module) and same is model and (n0, n1) == (2, 2)
+    assert not (training0 or training1)  # the loop hands the engine its model in eval mode
