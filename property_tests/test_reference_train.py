@@ -92,8 +92,9 @@ def test_the_flags_parse_to_the_config_defaults_and_to_each_fields_type():
     assert (args.steps, args.temperature, args.epsilon_high, args.is_correction) == (3, 0.5, 0.3, "token_truncate")
     assert type(args.steps) is int and type(args.is_clip_max) is float and args.model == "m"
     assert args.json is False and args.threads == 2
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["--loss-type", "ppo"])
+    for flag, value in (("--loss-type", "ppo"), ("--scale-rewards", "rank"), ("--is-correction", "tis")):
+        with pytest.raises(SystemExit):  # refused by the parser, before any config is built
+            build_parser().parse_args([flag, value])
 
 
 def test_the_command_line_prints_each_step_train_computes_and_the_reward_summary(capsys):
