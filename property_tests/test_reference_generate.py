@@ -8,6 +8,7 @@ Independent paths: teacher forcing (``reference.logprobs``) for the log-probs, t
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -168,3 +169,16 @@ def test_entropies_and_top_logprobs_follow_their_definitions(llama, prompt, comp
         np.testing.assert_allclose(
             scores.double().numpy()[got_ids.numpy()][finite], got_values.double().numpy()[finite], rtol=1e-5, atol=1e-6
         )
+
+
+def test_top_logprobs_takes_five_by_default_accepts_k_up_to_the_vocabulary_and_shapes_an_empty_completion(llama):
+    vocab = llama.model.config.vocab_size
+    values, ids = top_logprobs(llama.model, [1, 6], [5, 16])
+    assert values.shape == ids.shape == (2, 5)  # the documented default k
+    values, ids = top_logprobs(llama.model, [1, 6], [5, 16], k=vocab)  # every token, in order
+    assert sorted(ids[0].tolist()) == list(range(vocab)) and bool((values[:, :-1] >= values[:, 1:]).all())
+    for k in (0, vocab + 1):
+        with pytest.raises(ValueError, match="k must be"):
+            top_logprobs(llama.model, [1, 6], [5, 16], k=k)
+    values, ids = top_logprobs(llama.model, [1, 6], [], k=3)
+    assert (values.shape, values.dtype, ids.shape, ids.dtype) == ((0, 3), torch.float32, (0, 3), torch.long)

@@ -264,3 +264,9 @@ def test_combined_rewards_are_the_weighted_sum_of_the_functions_that_scored_each
         combine_rewards([*columns, [0.0] * (len(columns[0]) + 1)])
     with pytest.raises(ValueError, match="at least one"):
         combine_rewards([])
+
+
+def test_rloo_advantages_refuse_what_makes_no_groups_with_a_value_error():
+    for rewards, n in ((torch.ones(4), 0), (torch.ones(4), 2.0), (torch.ones(2, 2), 2), (torch.ones(5), 2)):
+        with pytest.raises(ValueError):
+            rloo_advantages(rewards, n)

@@ -29,11 +29,12 @@ from reference.grpo_step import (
     entropy_mask,
     quantile,
     rloo_window_objective,
+    sequence_kl,
     window_objective,
 )
 from reference.logprobs import per_token_logps
 from reference.loss import LossConfig
-from reference.models import load
+from reference.models import load, random_like
 
 EOS = 2
 MAX_LEN = 6
@@ -42,6 +43,12 @@ MAX_LEN = 6
 @functools.cache
 def _model():
     return load("tiny-llama-arith")[0].double()
+
+
+@functools.cache
+def _ref_model():
+    """Another model over the same vocabulary (the trained one's architecture with random weights)."""
+    return random_like("tiny-llama-arith", seed=1)[0].double()
 
 
 rows = st.builds(
@@ -156,7 +163,10 @@ def test_the_entropy_mask_keeps_the_unmasked_tokens_at_or_above_the_quantile_of_
         return
     threshold = float(torch.quantile(torch.tensor(unmasked, dtype=torch.float64), 1 - rho))
     for e, m, g in zip(es, masks, got, strict=True):
+        assert g.dtype == torch.float64
         assert g.tolist() == [1.0 if k and float(x) >= threshold else 0.0 for x, k in zip(e, m, strict=True)]
+    with pytest.raises(ValueError):  # a mask per row: one missing is an error, not a shorter answer
+        entropy_mask(es, masks[:-1] if len(masks) > 1 else [*masks, masks[0]], rho)
 
 
 def test_a_truncated_completion_is_masked_only_when_asked():
@@ -164,3 +174,19 @@ def test_a_truncated_completion_is_masked_only_when_asked():
     for flag, want in ((False, [[1, 1], [1, 1], [1, 1]]), (True, [[1, 1], [0, 0], [0, 0]])):
         config = StepConfig(LossConfig(), 1.0, (EOS,), mask_truncated_completions=flag)
         assert [m.tolist() for m in completion_mask(batch, config)] == want
+
+
+@given(batch=st.lists(rows, min_size=1, max_size=4), temperature=st.sampled_from([0.7, 1.3]), mask=st.booleans())
+def test_rloos_sequence_kl_is_each_rows_masked_log_prob_sum_under_the_generating_model_minus_the_references(
+    batch, temperature, mask
+):
+    generating, ref = _model(), _ref_model()
+    config = StepConfig(LossConfig(), temperature, (EOS,), mask_truncated_completions=mask)
+    got = sequence_kl(generating, ref, batch, config)
+    want = []
+    for row, m in zip(batch, completion_mask(batch, config), strict=True):
+        (gen,) = per_token_logps(generating, [row.prompt_ids], [row.completion_ids], temperature)
+        (base,) = per_token_logps(ref, [row.prompt_ids], [row.completion_ids], temperature)
+        want.append(sum(float(a - b) for a, b, k in zip(gen, base, m, strict=True) if k))
+    assert got.shape == (len(batch),) and not got.requires_grad
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-9, atol=1e-9)

@@ -86,3 +86,6 @@ def test_random_like_keeps_the_architecture_and_tokenizer_with_fresh_weights_fro
     assert any(not torch.equal(fresh.state_dict()[n], trained.state_dict()[n]) for n in weights), "trained weights"
     assert all(torch.equal(fresh.state_dict()[n], again.state_dict()[n]) for n in weights), "not reproducible"
     assert any(not torch.equal(fresh.state_dict()[n], other.state_dict()[n]) for n in weights), "seed ignored"
+    default, _ = models.random_like("tiny-llama-arith")
+    zero, _ = models.random_like("tiny-llama-arith", seed=0)
+    assert all(torch.equal(default.state_dict()[n], zero.state_dict()[n]) for n in weights), "the default seed is 0"
