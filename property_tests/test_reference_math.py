@@ -270,3 +270,19 @@ def test_rloo_advantages_refuse_what_makes_no_groups_with_a_value_error():
     for rewards, n in ((torch.ones(4), 0), (torch.ones(4), 2.0), (torch.ones(2, 2), 2), (torch.ones(5), 2)):
         with pytest.raises(ValueError):
             rloo_advantages(rewards, n)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_truncate", "token_mask", "sequence_mask"])
+def test_the_importance_weights_meet_both_bounds_on_weights_below_between_and_above_them(mode):
+    """Every mode on log-ratios from -3 to 3, so that some raw weights fall below, between and above the bounds
+    (drawn batches rarely reach both sides at once)."""
+    diffs = torch.linspace(-3, 3, 7, dtype=torch.float64)  # raw token weights e^-3 .. e^3
+    old, sampling = diffs[:, None].expand(7, 2).clone(), torch.zeros(7, 2, dtype=torch.float64)
+    old[:, 1] = 0.0  # the second token agrees: a sequence's weight is its first token's
+    mask = torch.ones(7, 2, dtype=torch.float64)
+    lo, hi = 0.5, 2.0
+    weights = importance_weights(old, sampling, mask, LossConfig(is_correction=mode, is_clip_min=lo, is_clip_max=hi))
+    raw = [math.exp(float(d)) for d in diffs]
+    keep = [min(max(w, lo), hi) if mode.endswith("truncate") else (w if lo <= w <= hi else 0.0) for w in raw]
+    torch.testing.assert_close(weights[:, 0], torch.tensor(keep, dtype=torch.float64), rtol=FLOAT64_RTOL, atol=0)
+    assert raw[0] < lo and raw[-1] > hi  # both bounds were met
