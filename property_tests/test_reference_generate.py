@@ -180,5 +180,13 @@ def test_top_logprobs_takes_five_by_default_accepts_k_up_to_the_vocabulary_and_s
     for k in (0, vocab + 1):
         with pytest.raises(ValueError, match="k must be"):
             top_logprobs(llama.model, [1, 6], [5, 16], k=k)
+    sampling = SamplingParams(temperature=0.5, top_k=3)  # processed: three finite values, then the removed tokens
+    values, ids = top_logprobs(llama.model, [1, 6], [5, 16], k=5, sampling=sampling)
+    with torch.no_grad():
+        logits = llama.model(torch.tensor([[1, 6, 5, 16]])).logits[0, 1:3]
+    for row, got in zip(logits, values, strict=True):
+        want = torch.sort(process_logits(row, sampling), descending=True).values[:5]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert torch.isfinite(got).tolist() == [True, True, True, False, False]
     values, ids = top_logprobs(llama.model, [1, 6], [], k=3)
     assert (values.shape, values.dtype, ids.shape, ids.dtype) == ((0, 3), torch.float32, (0, 3), torch.long)

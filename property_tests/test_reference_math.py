@@ -286,3 +286,9 @@ def test_the_importance_weights_meet_both_bounds_on_weights_below_between_and_ab
     keep = [min(max(w, lo), hi) if mode.endswith("truncate") else (w if lo <= w <= hi else 0.0) for w in raw]
     torch.testing.assert_close(weights[:, 0], torch.tensor(keep, dtype=torch.float64), rtol=FLOAT64_RTOL, atol=0)
     assert raw[0] < lo and raw[-1] > hi  # both bounds were met
+    # a weight exactly at a bound is inside it (kept as it is by every mode)
+    at = torch.tensor([[0.0], [math.log(2.0)]], dtype=torch.float64)
+    exact = float(torch.exp(at[1, 0]))
+    weights = importance_weights(at, torch.zeros(2, 1, dtype=torch.float64), torch.ones(2, 1, dtype=torch.float64),
+                                 LossConfig(is_correction=mode, is_clip_min=1.0, is_clip_max=exact))  # fmt: skip
+    assert weights.flatten().tolist() == [1.0, exact]

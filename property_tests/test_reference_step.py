@@ -16,10 +16,11 @@ Masked tokens (``mask_truncated_completions``) carry no weight and count in no n
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from reference.grpo_step import (
@@ -32,7 +33,7 @@ from reference.grpo_step import (
     sequence_kl,
     window_objective,
 )
-from reference.logprobs import per_token_logps
+from reference.logprobs import per_token_entropies, per_token_logps
 from reference.loss import LossConfig
 from reference.models import load, random_like
 
@@ -117,10 +118,13 @@ def test_on_policy_the_step_is_the_policy_gradient_with_each_loss_types_normalis
         torch.testing.assert_close(g, w, rtol=1e-7, atol=1e-10)
 
 
-@given(window=windows, mask_truncated=st.booleans())
-def test_on_policy_the_rloo_step_is_the_sequence_policy_gradient(window, mask_truncated):
+@given(window=windows, mask_truncated=st.booleans(), temperature=st.sampled_from([0.7, 1.0, 1.3]))
+@example(window=[[Row((5,), (EOS,), 1.0, 0)]], mask_truncated=False, temperature=0.7)  # one token: its entropy
+def test_on_policy_the_rloo_step_is_the_sequence_policy_gradient(window, mask_truncated, temperature):
+    """Also its logged metrics: on-policy nothing is clipped, and the entropy is each micro-batch's mean over its
+    masked tokens (of the entropies at the sampling temperature), averaged over the micro-batches."""
     model = _model()
-    config = StepConfig(LossConfig(), 1.0, (EOS,), mask_truncated_completions=mask_truncated)
+    config = StepConfig(LossConfig(), temperature, (EOS,), mask_truncated_completions=mask_truncated)
     model.zero_grad()
     out = rloo_window_objective(window, model, {0: model}, config)
     out.objective.backward()
@@ -129,12 +133,20 @@ def test_on_policy_the_rloo_step_is_the_sequence_policy_gradient(window, mask_tr
     model.zero_grad()
     surrogate, value = torch.zeros((), dtype=torch.float64), 0.0
     for batch in window:
-        logps = per_token_logps(model, [r.prompt_ids for r in batch], [r.completion_ids for r in batch], 1.0,
+        logps = per_token_logps(model, [r.prompt_ids for r in batch], [r.completion_ids for r in batch], temperature,
                                 grad=True)  # fmt: skip
         for row, lp, m in zip(batch, logps, completion_mask(batch, config), strict=True):
             surrogate = surrogate - row.advantage * (m * lp).sum() / (len(batch) * len(window))
             value -= row.advantage / (len(batch) * len(window))
     surrogate.backward()
+    entropy = 0.0
+    for batch in window:
+        masks = completion_mask(batch, config)
+        es = per_token_entropies(model, [r.prompt_ids for r in batch], [r.completion_ids for r in batch], temperature)
+        kept = [float(x) for e, m in zip(es, masks, strict=True) for x, k in zip(e, m, strict=True) if k]
+        entropy += (math.fsum(kept) / len(kept) if kept else 0.0) / len(window)
+    assert out.metrics["entropy"] == pytest.approx(entropy, rel=1e-9, abs=1e-12)
+    assert out.metrics["clip_ratio/region_mean"] == 0.0
     assert abs(float(out.objective) - value) <= 1e-9 * max(1.0, abs(value))
     assert out.micro_losses == pytest.approx([-sum(r.advantage for r in b) / len(b) for b in window], abs=1e-9)
     for g, w in zip(got, [p.grad for p in model.parameters()], strict=True):
