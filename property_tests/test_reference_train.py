@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import statistics
 
 import pytest
@@ -97,18 +98,22 @@ def test_the_flags_parse_to_the_config_defaults_and_to_each_fields_type():
             build_parser().parse_args([flag, value])
 
 
-def test_the_command_line_prints_each_step_train_computes_and_the_reward_summary(capsys):
-    """``main`` (``python -m reference.train``) against ``train`` called directly with the same config."""
+def test_the_command_line_prints_each_step_train_computes_and_the_reward_summary(capsys, monkeypatch):
+    """``main`` (``python -m reference.train``) against ``train`` called directly with the same config: 10 steps
+    (the summary's window is 10 // 5 = 2 steps), 16 new tokens and a learning rate of 1e-3 (rewards that change, a
+    KL that shows in the table's four decimals)."""
+    argv = [*TINY_ARGV, "--steps", "10", "--max-new-tokens", "16", "--learning-rate", "0.001"]
+    config = TrainConfig(**{**TINY, "steps": 10, "max_new_tokens": 16, "learning_rate": 0.001})
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # main sets it: the command never reaches the network
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        assert main([*TINY_ARGV, "--steps", "5", "--json"]) == 0  # 5 steps: the summary's k = 5 // 5 = 1
-        assert torch.get_num_threads() == 1
+        assert main([*argv, "--json"]) == 0
+        assert torch.get_num_threads() == 1 and os.environ["HF_HUB_OFFLINE"] == "1"
     finally:
         torch.set_num_threads(threads)
     out, err = capsys.readouterr()
     lines = out.strip().splitlines()
-    config = TrainConfig(**{**TINY, "steps": 5})
     expected = train(config)
     assert len(lines) == len(expected) + 1
     printed = [json.loads(line) for line in lines[:-1]]
@@ -116,17 +121,18 @@ def test_the_command_line_prints_each_step_train_computes_and_the_reward_summary
     config_line = json.loads(err.lstrip().splitlines()[0])  # the run's whole config, first on stderr
     assert config_line == {name: getattr(config, name) for name in TrainConfig.__slots__}
     rewards = [r["mean_reward"] for r in expected]
-    k = max(1, len(rewards) // 5)
-    first, last = statistics.mean(rewards[:k]), statistics.mean(rewards[-k:])
-    assert lines[-1].startswith(f"mean reward: first {k} steps {first:.3f}, last {k} steps {last:.3f}; ")
+    first, last = statistics.mean(rewards[:2]), statistics.mean(rewards[-2:])
+    assert lines[-1].startswith(f"mean reward: first 2 steps {first:.3f}, last 2 steps {last:.3f}; ")
 
-    assert main([*TINY_ARGV, "--steps", "5"]) == 0  # the table: one row per step with the step's numbers
+    assert main([*argv, "--steps", "3"]) == 0  # the table: one row per step with the step's numbers
     rows = capsys.readouterr().out.strip().splitlines()[:-1]
-    for record, row in zip(expected, rows, strict=True):
+    assert any(f"{r['kl']:.4f}" != "0.0000" for r in expected[:3])  # the KL column can tell
+    for record, row in zip(expected[:3], rows, strict=True):  # a run's first steps do not depend on its length
         assert row.startswith(
             f"step {record['step']:3d}  reward {record['mean_reward']:.3f}  loss {record['loss']:+.4f}  "
+            f"kl {record['kl']:.4f}  clip {record['clip_fraction']:.3f}  grad {record['grad_norm']:.3f}  "
+            f"len {record['mean_completion_length']:.1f}  |dlogp| {record['logprob_abs_diff_max']:.1e}  "
         )
-        assert f"len {record['mean_completion_length']:.1f}  " in row and f"grad {record['grad_norm']:.3f}" in row
 
 
 def test_the_command_line_generates_with_the_engine_it_is_given_on_the_model_it_trains(capsys):
@@ -134,12 +140,14 @@ def test_the_command_line_generates_with_the_engine_it_is_given_on_the_model_it_
 
     def make_generate(model):
         def engine(requests):
-            seen.append((model, len(requests), model.training))
+            seen.append((model, len(requests), model.training, next(model.parameters()).detach().clone()))
             return generate(model, requests)
 
         return engine
 
-    assert run(build_parser().parse_args([*TINY_ARGV, "--json"]), make_generate=make_generate) == 0
-    (model, n0, training0), (same, n1, training1) = seen
+    argv = [*TINY_ARGV, "--max-new-tokens", "16", "--json"]  # 16 tokens: mixed rewards, so step 0 moves the weights
+    assert run(build_parser().parse_args(argv), make_generate=make_generate) == 0
+    (model, n0, training0, before), (same, n1, training1, after) = seen
     assert isinstance(model, torch.nn.Module) and same is model and (n0, n1) == (2, 2)
     assert not (training0 or training1)  # the loop hands the engine its model in eval mode
+    assert not torch.equal(before, after)  # ... the model it trains: step 1 generates with step 0's update
