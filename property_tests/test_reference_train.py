@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import os
 import statistics
+import time
+from dataclasses import asdict
 
 import pytest
 import torch
 
 from cbverify.cli.train import make_generate
 from cbverify.tolerances import FP32, TRAINER_FP32
+from reference import tasks
+from reference.advantages import compute_advantages
 from reference.generate import generate
-from reference.train import TrainConfig, build_parser, main, run, train
+from reference.logprobs import per_token_logps
+from reference.loss import LossConfig, grpo_loss
+from reference.metrics import pad_rows
+from reference.spec import SamplingParams
+from reference.train import TrainConfig, build_parser, main, run, step_requests, train
 
 TINY = {"steps": 2, "num_prompts": 1, "num_generations": 2, "max_new_tokens": 8, "min_terms": 2, "max_terms": 2}
 TIMING_KEYS = ("step_time_s",)
@@ -151,3 +160,97 @@ def test_the_command_line_generates_with_the_engine_it_is_given_on_the_model_it_
     assert isinstance(model, torch.nn.Module) and same is model and (n0, n1) == (2, 2)
     assert not (training0 or training1)  # the loop hands the engine its model in eval mode
     assert not torch.equal(before, after)  # ... the model it trains: step 1 generates with step 0's update
+
+
+def test_the_config_builds_its_loss_config_field_for_field_and_refuses_non_positive_rates():
+    fields = {"epsilon_high": 0.3, "beta": 0.05, "is_correction": "token_mask", "is_clip_max": 1.5}
+    config = TrainConfig(loss_type="dr_grpo", epsilon=0.1, max_new_tokens=12, **fields)
+    assert config.loss_config() == LossConfig(loss_type="dr_grpo", epsilon_low=0.1, max_completion_length=12, **fields)
+    bads = ({"temperature": 0.0}, {"learning_rate": 0.0}, {"max_grad_norm": 0.0}, {"max_grad_norm": -1.0})
+    for bad in bads:
+        with pytest.raises(ValueError, match="must be > 0"):
+            TrainConfig(**bad)
+
+
+def test_step_requests_hold_the_configs_sampling_and_problems_and_distinct_seeds():
+    config = TrainConfig(num_prompts=3, num_generations=2, min_terms=3, max_terms=4, temperature=0.8,
+                         max_new_tokens=20)  # fmt: skip
+    seeds = []
+    for step in range(3):
+        problems, requests = step_requests(config, step)
+        assert len(problems) == 3 and len(requests) == 6
+        for i, request in enumerate(requests):
+            assert request.prompt_ids == tuple(tasks.prompt_ids(problems[i // 2]))
+            assert request.sampling == SamplingParams(temperature=0.8, max_new_tokens=20)
+            assert request.eos_token_ids == (tasks.EOS_ID,)
+        assert all(3 <= len(p.terms) <= 4 for p in problems)
+        seeds += [r.seed for r in requests]
+    other = [r.seed for step in range(3) for r in step_requests(TrainConfig(**{**asdict(config), "seed": 1}), step)[1]]
+    assert len(set(seeds)) == len(seeds) and not set(seeds) & set(other)  # per step, completion and run seed
+
+
+def _shifted(model, shift: float = -0.2):
+    """The oracle engine with every sampler log-prob moved by ``shift``: a sampler that disagrees with the trainer by
+    a known amount, so the importance correction and the mismatch metrics have something to see."""
+
+    def engine(requests):
+        rollouts = generate(model, requests)
+        engine.rollouts = rollouts
+        return [dataclasses.replace(r, logprobs=tuple(x + shift for x in r.logprobs)) for r in rollouts]
+
+    return engine
+
+
+def test_one_step_logs_what_its_rollouts_give_and_moves_each_weight_by_one_adam_step(llama):
+    """One step, against the definitions: the reward, length and stop metrics of the engine's rollouts, the sampler
+    mismatch (exactly the shift, at the sampling temperature), the GRPO loss of the step's batch (first iteration:
+    the current log-probs are the old ones), and the update: a first AdamW step without weight decay moves each
+    weight by ``-lr * g / (|g| + eps)``, ``g`` its gradient after clipping."""
+    config = TrainConfig(steps=1, num_prompts=2, num_generations=2, max_new_tokens=16, min_terms=2, max_terms=2,
+                         temperature=0.9, learning_rate=2e-4, scale_rewards="batch", loss_type="dr_grpo", epsilon=0.1,
+                         epsilon_high=0.3, beta=0.05, is_correction="token_truncate", is_clip_max=1.1)  # fmt: skip
+    model = copy.deepcopy(llama.model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine = _shifted(model)
+    start = time.perf_counter()
+    (record,) = train(config, model=model, generate=engine)
+    wall = time.perf_counter() - start
+    problems, _ = step_requests(config, 0)
+    rollouts = engine.rollouts
+    rewards = torch.tensor([tasks.reward(problems[i // 2], r.completion_ids) for i, r in enumerate(rollouts)])
+    assert 0.0 < float(rewards.mean()) < 1.0  # mixed rewards: the step has a gradient
+    assert record["mean_reward"] == float(rewards.mean())
+    assert record["mean_completion_length"] == statistics.mean(len(r.completion_ids) for r in rollouts)
+    assert record["stop_fraction"] == statistics.mean(r.finish_reason == "stop" for r in rollouts)
+    assert 0.0 < record["step_time_s"] <= wall
+    assert record["logprob_abs_diff_max"] == pytest.approx(0.2, abs=1e-4)
+    assert record["logprob_abs_diff_mean"] == pytest.approx(0.2, abs=1e-4)
+
+    prompts, completions = [list(r.prompt_ids) for r in rollouts], [list(r.completion_ids) for r in rollouts]
+    old, mask = pad_rows(per_token_logps(llama.model, prompts, completions, 0.9))  # the initial model is the ref
+    sampling = pad_rows([torch.tensor([x - 0.2 for x in r.logprobs]) for r in rollouts])[0]
+    advantages = compute_advantages(rewards, 2, "batch")
+    want = grpo_loss(old, old, old, sampling, advantages, mask, config.loss_config())
+    assert record["loss"] == pytest.approx(float(want.loss), rel=1e-6, abs=1e-9)
+    assert record["kl"] == pytest.approx(0.0, abs=1e-9)  # the first step's policy is the reference
+
+    # the update by hand: the loss's gradient on a fresh copy, clipped to max_grad_norm, then a first AdamW step
+    hand = copy.deepcopy(llama.model).train()
+    current = per_token_logps(hand, prompts, completions, 0.9, grad=True)
+    logps = torch.stack([torch.nn.functional.pad(c.double(), (0, mask.shape[1] - len(c))) for c in current])
+    grpo_loss(logps, old, old, sampling, advantages, mask, config.loss_config()).loss.backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(hand.parameters(), config.max_grad_norm))
+    assert record["grad_norm"] == pytest.approx(norm, rel=1e-5)
+    for (name, p), h in zip(model.named_parameters(), hand.parameters(), strict=True):
+        g = torch.zeros_like(h) if h.grad is None else h.grad
+        want = before[name] - config.learning_rate * g / (g.abs() + 1e-8)  # bias-corrected: m = g, v = g^2
+        torch.testing.assert_close(p.detach(), want, rtol=4e-7, atol=1e-9)  # float32: a few ulps
+
+
+def test_the_kl_reference_is_a_frozen_copy_and_without_beta_there_is_none(llama):
+    config = TrainConfig(**{**TINY, "max_new_tokens": 16, "learning_rate": 1e-3, "beta": 0.05})
+    history = train(config, model=copy.deepcopy(llama.model))
+    assert history[0]["kl"] == pytest.approx(0.0, abs=1e-9) and history[1]["kl"] > 1e-6  # step 0 moved the policy
+    assert all(r["kl"] is None for r in train(TrainConfig(**{**TINY, "beta": 0.0}), model=copy.deepcopy(llama.model)))
+    one = train(TrainConfig(**{**TINY, "steps": 1, "beta": 1.0}), model=copy.deepcopy(llama.model))  # any beta > 0
+    assert one[0]["kl"] == pytest.approx(0.0, abs=1e-9)
