@@ -254,3 +254,35 @@ def test_the_kl_reference_is_a_frozen_copy_and_without_beta_there_is_none(llama)
     assert all(r["kl"] is None for r in train(TrainConfig(**{**TINY, "beta": 0.0}), model=copy.deepcopy(llama.model)))
     one = train(TrainConfig(**{**TINY, "steps": 1, "beta": 1.0}), model=copy.deepcopy(llama.model))  # any beta > 0
     assert one[0]["kl"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_each_iteration_on_a_batch_keeps_its_old_log_probs_and_the_record_is_the_first_ones(llama):
+    """``num_iterations = 2`` by hand with torch's AdamW: the second update's ratios are against the batch's old
+    log-probs (not the updated policy's), with a learning rate large enough that the second iteration clips."""
+    config = TrainConfig(steps=1, num_prompts=2, num_generations=2, max_new_tokens=16, min_terms=2, max_terms=2,
+                         learning_rate=1e-2, num_iterations=2, beta=0.0)  # fmt: skip
+    model = copy.deepcopy(llama.model)
+    engine = _shifted(model, 0.0)
+    (record,) = train(config, model=model, generate=engine)
+    problems, _ = step_requests(config, 0)
+    rollouts = engine.rollouts
+    rewards = torch.tensor([tasks.reward(problems[i // 2], r.completion_ids) for i, r in enumerate(rollouts)])
+    prompts, completions = [list(r.prompt_ids) for r in rollouts], [list(r.completion_ids) for r in rollouts]
+    old, mask = pad_rows(per_token_logps(llama.model, prompts, completions, config.temperature))
+    sampling = pad_rows([torch.tensor(r.logprobs) for r in rollouts])[0]
+    advantages = compute_advantages(rewards, 2, config.scale_rewards)
+    hand = copy.deepcopy(llama.model).train()
+    optimizer = torch.optim.AdamW(hand.parameters(), lr=config.learning_rate, weight_decay=0.0)
+    outs = []
+    for _ in range(2):
+        current = per_token_logps(hand, prompts, completions, config.temperature, grad=True)
+        logps = torch.stack([torch.nn.functional.pad(c.double(), (0, mask.shape[1] - len(c))) for c in current])
+        outs.append(grpo_loss(logps, old, None, sampling, advantages, mask, config.loss_config()))
+        optimizer.zero_grad()
+        outs[-1].loss.backward()
+        torch.nn.utils.clip_grad_norm_(hand.parameters(), config.max_grad_norm)
+        optimizer.step()
+    assert outs[0].clip_fraction == 0.0 < outs[1].clip_fraction  # the second iteration is off-policy and clips
+    assert (record["loss"], record["clip_fraction"]) == (pytest.approx(float(outs[0].loss.detach()), rel=1e-6), 0.0)
+    for p, h in zip(model.parameters(), hand.parameters(), strict=True):
+        torch.testing.assert_close(p, h, rtol=1e-5, atol=1e-7)
