@@ -292,3 +292,14 @@ def test_the_importance_weights_meet_both_bounds_on_weights_below_between_and_ab
     weights = importance_weights(at, torch.zeros(2, 1, dtype=torch.float64), torch.ones(2, 1, dtype=torch.float64),
                                  LossConfig(is_correction=mode, is_clip_min=1.0, is_clip_max=exact))  # fmt: skip
     assert weights.flatten().tolist() == [1.0, exact]
+
+
+def test_compute_advantages_defaults_to_group_scaling_scales_a_batch_of_two_and_refuses_what_makes_no_groups():
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5], dtype=torch.float64)
+    assert torch.equal(compute_advantages(rewards, 2), compute_advantages(rewards, 2, "group"))
+    pair = torch.tensor([1.0, 0.0], dtype=torch.float64)  # one group of two: the batch std is the group's, sqrt(1/2)
+    want = torch.tensor([0.5, -0.5], dtype=torch.float64) / (math.sqrt(0.5) + 1e-4)
+    torch.testing.assert_close(compute_advantages(pair, 2, "batch"), want, rtol=FLOAT64_RTOL, atol=0)
+    for bad, n in ((torch.ones(4), 0), (torch.ones(4), 2.0), (torch.ones(2, 2), 2), (torch.ones(5), 2)):
+        with pytest.raises(ValueError):
+            compute_advantages(bad, n)
