@@ -190,3 +190,8 @@ def test_top_logprobs_takes_five_by_default_accepts_k_up_to_the_vocabulary_and_s
         assert torch.isfinite(got).tolist() == [True, True, True, False, False]
     values, ids = top_logprobs(llama.model, [1, 6], [], k=3)
     assert (values.shape, values.dtype, ids.shape, ids.dtype) == ((0, 3), torch.float32, (0, 3), torch.long)
+
+
+def test_processed_log_probs_of_an_empty_completion_are_an_empty_float32_vector(llama):
+    (empty, one) = processed_per_token_logps(llama.model, [[1, 6], [1, 6]], [[], [5]], [SamplingParams()] * 2)
+    assert (empty.shape, empty.dtype, one.shape) == ((0,), torch.float32, (1,))

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import assume, given
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
 from cbverify.tolerances import FLOAT64_ATOL, FLOAT64_CANCELLATION_ATOL, FLOAT64_RTOL
@@ -213,6 +213,10 @@ def test_normalisers_behave_as_documented(batch, config, junk):
     epsilon_low=st.floats(0.05, 0.5),
     epsilon_high=st.one_of(st.none(), st.floats(0.05, 0.5)),
 )
+@example(  # ratios exactly at 1 - eps and 1 + eps (not clipped), beyond them, and between 1 + eps and 2 + eps
+    rows=[(math.log(r), 0.0, a) for r, a in ((1.25, 1.0), (0.75, -1.0), (1.5, 1.0), (0.5, -1.0), (1.0, 1.0))],
+    epsilon_low=0.25, epsilon_high=0.25,
+)  # fmt: skip
 def test_rloo_loss_is_ppo_clipping_on_whole_sequences_by_definition(rows, epsilon_low, epsilon_high):
     """Value, clip fractions and gradient of ``rloo_loss`` against a loop over sequences: the loss of sequence i is
     ``-min(r A, clip(r) A)``; its gradient in ``logp_i`` is ``-r A / B`` where the unclipped term is the minimum,
@@ -236,6 +240,8 @@ def test_rloo_loss_is_ppo_clipping_on_whole_sequences_by_definition(rows, epsilo
     assert math.isclose(float(out.loss), value, rel_tol=1e-9, abs_tol=1e-12)
     assert (out.clip_low_fraction, out.clip_high_fraction) == (low / n, up / n)
     assert out.clip_fraction == (low + up) / n
+    ratios = [math.exp(lp - o) for lp, o, _ in rows]  # the per-sequence ratio, one column
+    assert out.ratio.shape == (n, 1) and out.ratio[:, 0].tolist() == pytest.approx(ratios, rel=1e-12)
 
 
 @given(
