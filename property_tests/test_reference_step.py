@@ -15,6 +15,7 @@ Masked tokens (``mask_truncated_completions``) carry no weight and count in no n
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 
@@ -35,10 +36,11 @@ from reference.grpo_step import (
 )
 from reference.logprobs import per_token_entropies, per_token_logps
 from reference.loss import LossConfig
-from reference.models import load, random_like
+from reference.models import load
 
 EOS = 2
 MAX_LEN = 6
+NOISE = 0.002
 
 
 @functools.cache
@@ -48,8 +50,15 @@ def _model():
 
 @functools.cache
 def _ref_model():
-    """Another model over the same vocabulary (the trained one's architecture with random weights)."""
-    return random_like("tiny-llama-arith", seed=1)[0].double()
+    """Another model: the trained one with every weight moved by seeded noise, near enough that ratios and KL terms
+    stay moderate (a random model's are ``e^20``, where float64 cancellation swamps any comparison), far enough that
+    sequence ratios fall on both sides of the clip bounds."""
+    model = copy.deepcopy(_model())
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * NOISE)
+    return model
 
 
 rows = st.builds(
@@ -87,31 +96,53 @@ def _weights(micro_batches, masks, loss_type: str) -> list[list[torch.Tensor]]:
     temperature=st.sampled_from([0.7, 1.0, 1.3]),
     mask_truncated=st.booleans(),
     epsilon_high=st.sampled_from([0.5, 5.0]),
+    beta=st.sampled_from([0.0, 0.1]),
+    bias_correction=st.booleans(),
 )
 def test_on_policy_the_step_is_the_policy_gradient_with_each_loss_types_normaliser(
-    loss_type, window, temperature, mask_truncated, epsilon_high
+    loss_type, window, temperature, mask_truncated, epsilon_high, beta, bias_correction
 ):
-    model = _model()
-    loss = LossConfig(loss_type=loss_type, epsilon_high=epsilon_high, max_completion_length=MAX_LEN)
+    """With ``beta > 0`` each token also carries ``beta * k3`` against a reference model (another model here), with
+    the same normaliser: ``k3 = exp(ref - logp) - (ref - logp) - 1``, times the ratio with the bias correction (1 in
+    value on-policy, ``grad logp`` in gradient); the logged KL is each micro-batch's masked mean of k3 (times the
+    ratio), averaged over the micro-batches."""
+    model, ref_model = _model(), _ref_model()
+    loss = LossConfig(loss_type=loss_type, epsilon_high=epsilon_high, max_completion_length=MAX_LEN, beta=beta,
+                      use_bias_correction_kl=bias_correction)  # fmt: skip
     config = StepConfig(loss, temperature, (EOS,), mask_truncated_completions=mask_truncated)
     # CISPO weighs each token by the ratio capped at epsilon_high (a bound on the ratio itself): min(1, eps) here
     cap = min(1.0, epsilon_high) if loss_type == "cispo" else 1.0
     model.zero_grad()
-    out = window_objective(window, model, {0: model}, config)
+    out = window_objective(window, model, {0: model}, config, ref_model=ref_model if beta else None)
     out.objective.backward()
     got = [p.grad.clone() for p in model.parameters()]
 
     masks = [completion_mask(batch, config) for batch in window]
-    weights = [[cap * w for w in ws] for ws in _weights(window, masks, loss_type)]
     model.zero_grad()
-    surrogate, value = torch.zeros((), dtype=torch.float64), 0.0
-    for batch, ws in zip(window, weights, strict=True):
-        logps = per_token_logps(model, [r.prompt_ids for r in batch], [r.completion_ids for r in batch], temperature,
-                                grad=True)  # fmt: skip
-        for row, lp, w in zip(batch, logps, ws, strict=True):
-            surrogate = surrogate - row.advantage * (w * lp).sum()
-            value -= row.advantage * float((w * (lp.detach() if loss_type == "cispo" else 1.0)).sum())
+    surrogate, value, kls = torch.zeros((), dtype=torch.float64), 0.0, []
+    for batch, ws, ms in zip(window, _weights(window, masks, loss_type), masks, strict=True):
+        prompts, completions = [r.prompt_ids for r in batch], [r.completion_ids for r in batch]
+        logps = per_token_logps(model, prompts, completions, temperature, grad=True)
+        refs = per_token_logps(ref_model, prompts, completions, temperature)
+        for row, lp, ref, w in zip(batch, logps, refs, ws, strict=True):
+            surrogate = surrogate - row.advantage * (cap * w * lp).sum()
+            value -= row.advantage * float((cap * w * (lp.detach() if loss_type == "cispo" else 1.0)).sum())
+            k3 = torch.exp(ref.double() - lp.double()) - (ref.double() - lp.double()) - 1
+            if bias_correction:
+                k3 = k3 * torch.exp(lp.double() - lp.double().detach())
+            surrogate = surrogate + beta * (w * k3).sum()
+            value += beta * float((w * k3.detach()).sum())
+        k3s = [
+            torch.exp(r.double() - lp.double()) - (r.double() - lp.double()) - 1
+            for r, lp in zip(refs, logps, strict=True)
+        ]
+        tokens = sum(float(m.sum()) for m in ms)
+        kls.append(sum(float((k.detach() * m).sum()) for k, m in zip(k3s, ms, strict=True)) / max(tokens, 1.0))
     surrogate.backward()
+    if beta:
+        assert out.metrics["kl"] == pytest.approx(sum(kls) / len(kls), rel=1e-7, abs=1e-12)
+    else:
+        assert "kl" not in out.metrics
     want = [p.grad.clone() for p in model.parameters()]
     assert abs(float(out.objective) - value) <= 1e-9 * max(1.0, abs(value))
     for g, w in zip(got, want, strict=True):
@@ -232,3 +263,9 @@ def test_off_policy_the_rloo_step_clips_each_sequence_with_its_own_bounds_and_lo
     for name in ("low", "high", "region"):
         mean = sum(per_batch[name]) / len(window)
         assert out.metrics[f"clip_ratio/{name}_mean"] == pytest.approx(mean, abs=1e-12), name
+
+
+def test_a_loss_type_without_window_semantics_is_refused_with_a_value_error():
+    config = StepConfig(LossConfig(loss_type="luspo"), 1.0, (EOS,))
+    with pytest.raises(ValueError, match="luspo"):
+        window_objective([[Row((5,), (7, EOS), 1.0, 0)]], _model(), {0: _model()}, config)
