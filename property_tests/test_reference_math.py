@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from cbverify.tolerances import FLOAT64_ATOL, FLOAT64_CANCELLATION_ATOL, FLOAT64_RTOL
 from property_tests.strategies import grpo_batches, loss_configs
 from reference.advantages import combine_rewards, compute_advantages, rloo_advantages
-from reference.loss import LossConfig, grpo_loss, importance_weights, k3_kl, rloo_loss
+from reference.loss import LossConfig, grpo_loss, k3_kl, rloo_loss
 
 
 def _grad(batch: dict, advantages: torch.Tensor, config: LossConfig, *, old: torch.Tensor | None) -> torch.Tensor:
@@ -73,29 +73,6 @@ def test_clipping_zeroes_the_gradient_exactly_outside_the_trust_region_on_the_ad
             or (adv < 0 and config.delta is not None and ratio > config.delta)  # two-sided clipping
         )
         assert (float(grad[i, t]) == 0.0) == outside, (int(i), int(t), ratio, adv)
-
-
-@given(batch=grpo_batches(), config=loss_configs(is_correction=True))
-def test_truncate_modes_bound_the_weights_and_mask_modes_zero_them(batch, config):
-    old, sampling, mask = batch["old_per_token_logps"], batch["sampling_per_token_logps"], batch["completion_mask"]
-    weights = importance_weights(old, sampling, mask, config)
-    lo = -math.inf if config.is_clip_min is None else config.is_clip_min
-    hi = math.inf if config.is_clip_max is None else config.is_clip_max
-    sequence = config.is_correction.startswith("sequence")
-    for i in range(mask.shape[0]):
-        # the raw weight by hand: real tokens with a sampler log-prob count; the product for sequence modes
-        diffs = [float(old[i, t] - sampling[i, t]) for t in range(mask.shape[1]) if mask[i, t]]
-        diffs = [0.0 if math.isnan(d) else d for d in diffs]
-        raws = [math.exp(math.fsum(diffs))] if sequence else [math.exp(d) for d in diffs]
-        got = weights[i].tolist() if sequence else [float(weights[i, t]) for t in range(len(diffs))]
-        for raw, w in zip(raws, got, strict=True):
-            if config.is_correction.endswith("truncate"):
-                assert lo <= w <= hi
-                assert math.isclose(w, min(max(raw, lo), hi), rel_tol=FLOAT64_RTOL)
-            elif lo <= raw <= hi:
-                assert math.isclose(w, raw, rel_tol=FLOAT64_RTOL)
-            else:
-                assert w == 0.0
 
 
 @given(
@@ -276,28 +253,6 @@ def test_rloo_advantages_refuse_what_makes_no_groups_with_a_value_error():
     for rewards, n in ((torch.ones(4), 0), (torch.ones(4), 2.0), (torch.ones(2, 2), 2), (torch.ones(5), 2)):
         with pytest.raises(ValueError):
             rloo_advantages(rewards, n)
-
-
-@pytest.mark.parametrize("mode", ["token_truncate", "sequence_truncate", "token_mask", "sequence_mask"])
-def test_the_importance_weights_meet_both_bounds_on_weights_below_between_and_above_them(mode):
-    """Every mode on log-ratios from -3 to 3, so that some raw weights fall below, between and above the bounds
-    (drawn batches rarely reach both sides at once)."""
-    diffs = torch.linspace(-3, 3, 7, dtype=torch.float64)  # raw token weights e^-3 .. e^3
-    old, sampling = diffs[:, None].expand(7, 2).clone(), torch.zeros(7, 2, dtype=torch.float64)
-    old[:, 1] = 0.0  # the second token agrees: a sequence's weight is its first token's
-    mask = torch.ones(7, 2, dtype=torch.float64)
-    lo, hi = 0.5, 2.0
-    weights = importance_weights(old, sampling, mask, LossConfig(is_correction=mode, is_clip_min=lo, is_clip_max=hi))
-    raw = [math.exp(float(d)) for d in diffs]
-    keep = [min(max(w, lo), hi) if mode.endswith("truncate") else (w if lo <= w <= hi else 0.0) for w in raw]
-    torch.testing.assert_close(weights[:, 0], torch.tensor(keep, dtype=torch.float64), rtol=FLOAT64_RTOL, atol=0)
-    assert raw[0] < lo and raw[-1] > hi  # both bounds were met
-    # a weight exactly at a bound is inside it (kept as it is by every mode)
-    at = torch.tensor([[0.0], [math.log(2.0)]], dtype=torch.float64)
-    exact = float(torch.exp(at[1, 0]))
-    weights = importance_weights(at, torch.zeros(2, 1, dtype=torch.float64), torch.ones(2, 1, dtype=torch.float64),
-                                 LossConfig(is_correction=mode, is_clip_min=1.0, is_clip_max=exact))  # fmt: skip
-    assert weights.flatten().tolist() == [1.0, exact]
 
 
 def test_compute_advantages_defaults_to_group_scaling_scales_a_batch_of_two_and_refuses_what_makes_no_groups():
