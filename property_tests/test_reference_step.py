@@ -98,18 +98,21 @@ def _weights(micro_batches, masks, loss_type: str) -> list[list[torch.Tensor]]:
     epsilon_high=st.sampled_from([0.5, 5.0]),
     beta=st.sampled_from([0.0, 0.1]),
     bias_correction=st.booleans(),
+    rho=st.sampled_from([1.0, 0.5]),
 )
 def test_on_policy_the_step_is_the_policy_gradient_with_each_loss_types_normaliser(
-    loss_type, window, temperature, mask_truncated, epsilon_high, beta, bias_correction
+    loss_type, window, temperature, mask_truncated, epsilon_high, beta, bias_correction, rho
 ):
     """With ``beta > 0`` each token also carries ``beta * k3`` against a reference model (another model here), with
     the same normaliser: ``k3 = exp(ref - logp) - (ref - logp) - 1``, times the ratio with the bias correction (1 in
     value on-policy, ``grad logp`` in gradient); the logged KL is each micro-batch's masked mean of k3 (times the
-    ratio), averaged over the micro-batches."""
+    ratio), averaged over the micro-batches. With ``top_entropy_quantile = rho < 1`` the policy term counts only on
+    tokens whose entropy is at least the ``1 - rho`` quantile of the micro-batch's unmasked entropies. Each
+    micro-batch's loss is its share of the objective; the logged entropy is its masked mean entropy."""
     model, ref_model = _model(), _ref_model()
     loss = LossConfig(loss_type=loss_type, epsilon_high=epsilon_high, max_completion_length=MAX_LEN, beta=beta,
                       use_bias_correction_kl=bias_correction)  # fmt: skip
-    config = StepConfig(loss, temperature, (EOS,), mask_truncated_completions=mask_truncated)
+    config = StepConfig(loss, temperature, (EOS,), mask_truncated_completions=mask_truncated, top_entropy_quantile=rho)
     # CISPO weighs each token by the ratio capped at epsilon_high (a bound on the ratio itself): min(1, eps) here
     cap = min(1.0, epsilon_high) if loss_type == "cispo" else 1.0
     model.zero_grad()
@@ -119,14 +122,20 @@ def test_on_policy_the_step_is_the_policy_gradient_with_each_loss_types_normalis
 
     masks = [completion_mask(batch, config) for batch in window]
     model.zero_grad()
-    surrogate, value, kls = torch.zeros((), dtype=torch.float64), 0.0, []
+    surrogate, value, kls, shares, entropy = torch.zeros((), dtype=torch.float64), 0.0, [], [], 0.0
     for batch, ws, ms in zip(window, _weights(window, masks, loss_type), masks, strict=True):
         prompts, completions = [r.prompt_ids for r in batch], [r.completion_ids for r in batch]
         logps = per_token_logps(model, prompts, completions, temperature, grad=True)
         refs = per_token_logps(ref_model, prompts, completions, temperature)
-        for row, lp, ref, w in zip(batch, logps, refs, ws, strict=True):
-            surrogate = surrogate - row.advantage * (cap * w * lp).sum()
-            value -= row.advantage * float((cap * w * (lp.detach() if loss_type == "cispo" else 1.0)).sum())
+        es = per_token_entropies(model, prompts, completions, temperature)
+        kept = [float(x) for e, m in zip(es, ms, strict=True) for x, k in zip(e, m, strict=True) if k]
+        entropy += (math.fsum(kept) / len(kept) if kept else 0.0) / len(window)
+        cut = float(torch.quantile(torch.tensor(kept, dtype=torch.float64), 1 - rho)) if kept and rho < 1 else None
+        start = value
+        for row, lp, ref, w, e in zip(batch, logps, refs, ws, es, strict=True):
+            pw = w if cut is None else w * (e.double() >= cut)  # the policy term's weight
+            surrogate = surrogate - row.advantage * (cap * pw * lp).sum()
+            value -= row.advantage * float((cap * pw * (lp.detach() if loss_type == "cispo" else 1.0)).sum())
             k3 = torch.exp(ref.double() - lp.double()) - (ref.double() - lp.double()) - 1
             if bias_correction:
                 k3 = k3 * torch.exp(lp.double() - lp.double().detach())
@@ -136,6 +145,7 @@ def test_on_policy_the_step_is_the_policy_gradient_with_each_loss_types_normalis
             torch.exp(r.double() - lp.double()) - (r.double() - lp.double()) - 1
             for r, lp in zip(refs, logps, strict=True)
         ]
+        shares.append(value - start)
         tokens = sum(float(m.sum()) for m in ms)
         kls.append(sum(float((k.detach() * m).sum()) for k, m in zip(k3s, ms, strict=True)) / max(tokens, 1.0))
     surrogate.backward()
@@ -143,6 +153,16 @@ def test_on_policy_the_step_is_the_policy_gradient_with_each_loss_types_normalis
         assert out.metrics["kl"] == pytest.approx(sum(kls) / len(kls), rel=1e-7, abs=1e-12)
     else:
         assert "kl" not in out.metrics
+    assert set(out.metrics) - {"kl"} == {
+        "entropy",
+        "clip_ratio/low_mean",
+        "clip_ratio/high_mean",
+        "clip_ratio/region_mean",
+    }
+    assert out.metrics["entropy"] == pytest.approx(entropy, rel=1e-9, abs=1e-12)
+    if loss_type != "cispo":  # on-policy every ratio is 1: nothing clips (CISPO's bound is on the ratio itself)
+        assert out.metrics["clip_ratio/region_mean"] == 0.0
+    assert out.micro_losses == pytest.approx(shares, rel=1e-9, abs=1e-12)
     want = [p.grad.clone() for p in model.parameters()]
     assert abs(float(out.objective) - value) <= 1e-9 * max(1.0, abs(value))
     for g, w in zip(got, want, strict=True):
@@ -269,3 +289,24 @@ def test_a_loss_type_without_window_semantics_is_refused_with_a_value_error():
     config = StepConfig(LossConfig(loss_type="luspo"), 1.0, (EOS,))
     with pytest.raises(ValueError, match="luspo"):
         window_objective([[Row((5,), (7, EOS), 1.0, 0)]], _model(), {0: _model()}, config)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+@given(window=windows)
+def test_off_policy_each_token_is_clipped_against_its_generating_models_log_prob(loss_type, window):
+    """Rows generated by another model: token ``t`` carries ``-min(r_t A, clip(r_t, 0.8, 1.2) A)`` with ``r_t =
+    exp(logp_t - old_t)``, ``old_t`` under the generating model, with the loss type's normaliser."""
+    model, generating = _model(), _ref_model()
+    config = StepConfig(LossConfig(loss_type=loss_type, max_completion_length=MAX_LEN), 1.0, (EOS,))
+    out = window_objective(window, model, {0: generating}, config)
+    masks = [completion_mask(batch, config) for batch in window]
+    value = 0.0
+    for batch, ws in zip(window, _weights(window, masks, loss_type), strict=True):
+        prompts, completions = [r.prompt_ids for r in batch], [r.completion_ids for r in batch]
+        current = per_token_logps(model, prompts, completions, 1.0)
+        old = per_token_logps(generating, prompts, completions, 1.0)
+        for row, c, o, w in zip(batch, current, old, ws, strict=True):
+            for lp, lo, wt in zip(c.tolist(), o.tolist(), w.tolist(), strict=True):
+                r = math.exp(lp - lo)
+                value += -min(r * row.advantage, min(max(r, 0.8), 1.2) * row.advantage) * wt
+    assert float(out.objective) == pytest.approx(value, rel=1e-7, abs=1e-10)
