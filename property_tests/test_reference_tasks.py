@@ -89,3 +89,23 @@ def test_random_like_keeps_the_architecture_and_tokenizer_with_fresh_weights_fro
     default, _ = models.random_like("tiny-llama-arith")
     zero, _ = models.random_like("tiny-llama-arith", seed=0)
     assert all(torch.equal(default.state_dict()[n], zero.state_dict()[n]) for n in weights), "the default seed is 0"
+
+
+def test_load_gives_the_dtype_asked_the_declared_tokenizer_class_and_no_tokenizer_without_its_files(tmp_path):
+    from transformers import PreTrainedTokenizerFast
+
+    model, tokenizer = models.load("tiny-qwen2-random", dtype="bfloat16")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and not model.training
+    # a declared generic backend is honoured (AutoTokenizer would pick Qwen2Tokenizer, which drops "\n" tokens)
+    assert type(tokenizer) is PreTrainedTokenizerFast
+    assert tokenizer.decode(tokenizer.encode("1+2\n", add_special_tokens=False)) == "1+2\n"
+    chat = models.load_tokenizer(models.resolve("tiny-qwen3-chat"))  # a specialised class: AutoTokenizer's choice
+    assert type(chat).__name__ == "Qwen2Tokenizer"
+    for name in ("config.json", "model.safetensors"):  # a checkpoint without tokenizer files
+        (tmp_path / name).symlink_to(models.resolve("tiny-llama-arith") / name)
+    assert models.load(tmp_path)[1] is None
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        models.parse_dtype("float8")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            models.load("tiny-llama-arith", device="cuda:0")
