@@ -195,3 +195,11 @@ def test_top_logprobs_takes_five_by_default_accepts_k_up_to_the_vocabulary_and_s
 def test_processed_log_probs_of_an_empty_completion_are_an_empty_float32_vector(llama):
     (empty, one) = processed_per_token_logps(llama.model, [[1, 6], [1, 6]], [[], [5]], [SamplingParams()] * 2)
     assert (empty.shape, empty.dtype, one.shape) == ((0,), torch.float32, (1,))
+
+
+def test_entropies_default_to_temperature_one_and_refuse_a_temperature_of_zero(llama):
+    (default,) = per_token_entropies(llama.model, [[1, 6]], [[5, 16]])
+    (one,) = per_token_entropies(llama.model, [[1, 6]], [[5, 16]], 1.0)
+    assert torch.equal(default, one)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        per_token_entropies(llama.model, [[1, 6]], [[5, 16]], 0.0)

@@ -264,3 +264,15 @@ def test_compute_advantages_defaults_to_group_scaling_scales_a_batch_of_two_and_
     for bad, n in ((torch.ones(4), 0), (torch.ones(4), 2.0), (torch.ones(2, 2), 2), (torch.ones(5), 2)):
         with pytest.raises(ValueError):
             compute_advantages(bad, n)
+
+
+def test_masked_mean_averages_real_tokens_or_whole_sequences_as_trl_logs_them():
+    from reference.loss import masked_mean
+
+    mask = torch.tensor([[1.0, 1.0, 0.0]])  # one sequence of two real tokens
+    assert masked_mean(torch.tensor([[2.0, 4.0, 100.0]]), mask) == 3.0  # per token: the real ones
+    assert masked_mean(torch.tensor([[5.0]]), mask) == 5.0  # per sequence (B, 1): over sequences, here one
+    two = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    assert masked_mean(torch.tensor([[3.0], [6.0]]), two) == 4.5  # per sequence with T = 2
+    assert masked_mean(torch.tensor([[7.0]]), torch.tensor([[1.0]])) == 7.0  # T = 1: one token, by the mask
+    assert masked_mean(torch.tensor([[7.0]]), torch.tensor([[0.0]])) == 0.0  # no real token
