@@ -28,8 +28,6 @@ from reference.grpo_step import (
     Row,
     StepConfig,
     completion_mask,
-    entropy_mask,
-    quantile,
     rloo_window_objective,
     sequence_kl,
     window_objective,
@@ -131,8 +129,8 @@ def test_on_policy_the_step_is_the_policy_gradient_with_each_loss_types_normalis
         kept = [float(x) for e, m in zip(es, ms, strict=True) for x, k in zip(e, m, strict=True) if k]
         entropy += (math.fsum(kept) / len(kept) if kept else 0.0) / len(window)
         cut = float(torch.quantile(torch.tensor(kept, dtype=torch.float64), 1 - rho)) if kept and rho < 1 else None
-        start = value
-        for row, lp, ref, w, e in zip(batch, logps, refs, ws, es, strict=True):
+        start, kl_sum = value, 0.0
+        for row, lp, ref, w, e, m in zip(batch, logps, refs, ws, es, ms, strict=True):
             pw = w if cut is None else w * (e.double() >= cut)  # the policy term's weight
             surrogate = surrogate - row.advantage * (cap * pw * lp).sum()
             value -= row.advantage * float((cap * pw * (lp.detach() if loss_type == "cispo" else 1.0)).sum())
@@ -141,13 +139,9 @@ def test_on_policy_the_step_is_the_policy_gradient_with_each_loss_types_normalis
                 k3 = k3 * torch.exp(lp.double() - lp.double().detach())
             surrogate = surrogate + beta * (w * k3).sum()
             value += beta * float((w * k3.detach()).sum())
-        k3s = [
-            torch.exp(r.double() - lp.double()) - (r.double() - lp.double()) - 1
-            for r, lp in zip(refs, logps, strict=True)
-        ]
+            kl_sum += float((k3.detach() * m).sum())
         shares.append(value - start)
-        tokens = sum(float(m.sum()) for m in ms)
-        kls.append(sum(float((k.detach() * m).sum()) for k, m in zip(k3s, ms, strict=True)) / max(tokens, 1.0))
+        kls.append(kl_sum / max(sum(float(m.sum()) for m in ms), 1.0))
     surrogate.backward()
     if beta:
         assert out.metrics["kl"] == pytest.approx(sum(kls) / len(kls), rel=1e-7, abs=1e-12)
@@ -202,41 +196,6 @@ def test_on_policy_the_rloo_step_is_the_sequence_policy_gradient(window, mask_tr
     assert out.micro_losses == pytest.approx([-sum(r.advantage for r in b) / len(b) for b in window], abs=1e-9)
     for g, w in zip(got, [p.grad for p in model.parameters()], strict=True):
         torch.testing.assert_close(g, w, rtol=1e-7, atol=1e-10)
-
-
-@given(values=st.lists(st.floats(-5, 5), min_size=1, max_size=30), q=st.floats(0, 1))
-def test_quantile_interpolates_linearly_as_torch_does(values, q):
-    t = torch.tensor(values, dtype=torch.float64)
-    assert quantile(t, q) == pytest.approx(float(torch.quantile(t, q)), abs=1e-12)
-
-
-@given(
-    entropies=st.lists(st.lists(st.floats(0, 3), min_size=1, max_size=5), min_size=1, max_size=4),
-    drop=st.lists(st.booleans(), min_size=20, max_size=20),
-    rho=st.floats(0.05, 0.95),
-)
-def test_the_entropy_mask_keeps_the_unmasked_tokens_at_or_above_the_quantile_of_the_unmasked(entropies, drop, rho):
-    es = [torch.tensor(e, dtype=torch.float64) for e in entropies]
-    masks = [torch.tensor([0.0 if drop[(i * 5 + j) % 20] else 1.0 for j in range(len(e))], dtype=torch.float64)
-             for i, e in enumerate(es)]  # fmt: skip
-    unmasked = [float(x) for e, m in zip(es, masks, strict=True) for x, k in zip(e, m, strict=True) if k]
-    got = entropy_mask(es, masks, rho)
-    if not unmasked:
-        assert all(float(g.sum()) == 0 for g in got)
-        return
-    threshold = float(torch.quantile(torch.tensor(unmasked, dtype=torch.float64), 1 - rho))
-    for e, m, g in zip(es, masks, got, strict=True):
-        assert g.dtype == torch.float64
-        assert g.tolist() == [1.0 if k and float(x) >= threshold else 0.0 for x, k in zip(e, m, strict=True)]
-    with pytest.raises(ValueError):  # a mask per row: one missing is an error, not a shorter answer
-        entropy_mask(es, masks[:-1] if len(masks) > 1 else [*masks, masks[0]], rho)
-
-
-def test_a_truncated_completion_is_masked_only_when_asked():
-    batch = [Row((5,), (7, EOS), 1.0, 0), Row((5,), (7, 8), 1.0, 0), Row((5,), (EOS, 9), 1.0, 0)]
-    for flag, want in ((False, [[1, 1], [1, 1], [1, 1]]), (True, [[1, 1], [0, 0], [0, 0]])):
-        config = StepConfig(LossConfig(), 1.0, (EOS,), mask_truncated_completions=flag)
-        assert [m.tolist() for m in completion_mask(batch, config)] == want
 
 
 @given(batch=st.lists(rows, min_size=1, max_size=4), temperature=st.sampled_from([0.7, 1.3]), mask=st.booleans())
