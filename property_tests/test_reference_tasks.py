@@ -3,6 +3,8 @@ each against a definition written out here, and the random-weight twin of a bund
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from hypothesis import example, given
@@ -101,9 +103,22 @@ def test_load_gives_the_dtype_asked_the_declared_tokenizer_class_and_no_tokenize
     assert tokenizer.decode(tokenizer.encode("1+2\n", add_special_tokens=False)) == "1+2\n"
     chat = models.load_tokenizer(models.resolve("tiny-qwen3-chat"))  # a specialised class: AutoTokenizer's choice
     assert type(chat).__name__ == "Qwen2Tokenizer"
-    for name in ("config.json", "model.safetensors"):  # a checkpoint without tokenizer files
-        (tmp_path / name).symlink_to(models.resolve("tiny-llama-arith") / name)
-    assert models.load(tmp_path)[1] is None
+    declared = tmp_path / "declared"  # the generic class by its own name is honoured too
+    declared.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (declared / name).symlink_to(models.resolve("tiny-qwen2-random") / name)
+    config = json.loads((models.resolve("tiny-qwen2-random") / "tokenizer_config.json").read_text())
+    (declared / "tokenizer_config.json").write_text(
+        json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast"})
+    )
+    generic = models.load_tokenizer(declared)
+    assert type(generic) is PreTrainedTokenizerFast
+    assert generic.decode(generic.encode("1+2\n", add_special_tokens=False)) == "1+2\n"
+    bare = tmp_path / "bare"  # a checkpoint without tokenizer files
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).symlink_to(models.resolve("tiny-llama-arith") / name)
+    assert models.load(bare)[1] is None
     with pytest.raises(ValueError, match="dtype must be one of"):
         models.parse_dtype("float8")
     if not torch.cuda.is_available():
