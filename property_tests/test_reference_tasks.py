@@ -124,3 +124,10 @@ def test_load_gives_the_dtype_asked_the_declared_tokenizer_class_and_no_tokenize
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
             models.load("tiny-llama-arith", device="cuda:0")
+
+
+def test_problems_default_to_two_to_eight_terms_and_an_unknown_model_is_a_file_not_found_error():
+    lengths = {len(p.terms) for p in tasks.make_problems(300, seed=0)}
+    assert min(lengths) == 2 and max(lengths) == 8
+    with pytest.raises(FileNotFoundError, match="neither a bundled name"):
+        models.resolve("no-such-model")
