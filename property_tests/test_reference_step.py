@@ -34,7 +34,7 @@ from reference.grpo_step import (
 )
 from reference.logprobs import per_token_entropies, per_token_logps
 from reference.loss import LossConfig
-from reference.models import load
+from reference.models import load, perturb
 
 EOS = 2
 MAX_LEN = 6
@@ -52,10 +52,7 @@ def _ref_model():
     stay moderate (a random model's are ``e^20``, where float64 cancellation swamps any comparison), far enough that
     sequence ratios fall on both sides of the clip bounds."""
     model = copy.deepcopy(_model())
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * NOISE)
+    perturb(model, seed=1, scale=NOISE)
     return model
 
 
