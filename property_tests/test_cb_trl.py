@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from property_tests.helpers import assert_matches_reference
@@ -91,6 +91,12 @@ def test_cb_rollout_func_trains_grpo_for_a_few_steps_with_one_live_engine(llama,
     assert not inner.engine.has_unfinished()
 
 
+@example(
+    temperature=0.7, top_k=7, top_p=0.9, min_p=0.05, do_sample=True, repetition_penalty=None, max_completion_length=5
+)  # every filter on at once, accepted
+@example(
+    temperature=0.7, top_k=7, top_p=0.9, min_p=0.05, do_sample=False, repetition_penalty=1.0, max_completion_length=5
+)  # greedy: do_sample=False wins over the temperature
 @given(
     temperature=st.floats(0.1, 2.0),
     top_k=st.sampled_from([None, 0, 1, 7]),
@@ -123,6 +129,33 @@ def test_the_rollout_func_reads_the_trainers_generation_options_as_grpo_trainer_
                           top_p=1.0 if top_p is None else top_p, min_p=min_p or 0.0,
                           max_new_tokens=max_completion_length)  # fmt: skip
     assert trainer_sampling(trainer) == want
+
+
+def test_a_trainer_without_the_optional_generation_options_samples_unfiltered_and_stops_at_the_tokenizers_eos(llama):
+    """A trainer (or a TRL release) that carries only ``temperature`` and ``max_completion_length``: no top-k,
+    top-p, min-p or repetition penalty, sampling (no ``generation_config``), and without ``eos_token_ids`` the
+    tokenizer's EOS id on every request."""
+    from types import SimpleNamespace
+
+    from cb_impl.trl import make_rollout_func, trainer_sampling
+    from reference.spec import SamplingParams
+
+    class Recording:
+        def __init__(self):
+            self.requests = []
+
+        def generate(self, requests):
+            self.requests += list(requests)
+            return [reference_generate(llama.model, [r])[0] for r in requests]
+
+    trainer = SimpleNamespace(temperature=0.8, max_completion_length=4)
+    assert trainer_sampling(trainer) == SamplingParams(temperature=0.8, top_k=0, top_p=1.0, min_p=0.0,
+                                                       max_new_tokens=4)  # fmt: skip
+    trainer.state, trainer.processing_class = SimpleNamespace(global_step=0), llama.tokenizer
+    trainer.accelerator = SimpleNamespace(unwrap_model=lambda m: m, process_index=0)
+    recording = Recording()
+    make_rollout_func(engine=recording)(["1+2="], trainer)
+    assert [r.eos_token_ids for r in recording.requests] == [(llama.tokenizer.eos_token_id,)]
 
 
 def test_the_rollout_func_uses_the_model_tokenizer_config_and_eos_list_it_is_given_over_the_trainers(llama):

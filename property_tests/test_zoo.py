@@ -102,3 +102,29 @@ def test_unsupported_features_are_named_from_the_config_alone():
     assert not any("ALiBi" in f for f in unsupported_features(FalconConfig()))
     assert "encoder-decoder" in " ".join(unsupported_features(T5Config()))
     assert unsupported_features(SimpleNamespace(num_attention_heads=4)) == []  # no optional field: nothing to refuse
+
+
+def test_configs_of_other_releases_and_bare_objects_are_refused_by_name_or_accepted_as_plain_attention():
+    """What a config says through fields the zoo's transformers release does not fill in (``layers_block_type``
+    alone, as older Jamba configs), multi-head latent attention, and objects that are not a Hugging Face model:
+    each refusal is an ``UnsupportedModel`` naming the feature, never another error and never an acceptance."""
+    from types import SimpleNamespace
+
+    from transformers import DeepseekV3Config, LlamaConfig
+
+    from cb_impl.support import check_supported
+
+    def hf_model(config):
+        return SimpleNamespace(config=config, get_input_embeddings=lambda: None)
+
+    hybrid = SimpleNamespace(num_attention_heads=4, layers_block_type=["mamba", "attention", "mamba"])
+    assert unsupported_features(hybrid) == [
+        "layer types ['mamba']: convolution / linear-attention / state-space / chunked layers"
+    ]
+    assert unsupported_features(SimpleNamespace(num_attention_heads=4, layers_block_type=["attention"] * 2)) == []
+    with pytest.raises(UnsupportedModel, match=r"multi-head latent attention \(kv_lora_rank\)"):
+        check_supported(hf_model(DeepseekV3Config()))
+    assert check_supported(hf_model(LlamaConfig())) is None
+    for not_a_model in (object(), SimpleNamespace(config=LlamaConfig())):  # no config / no input embeddings
+        with pytest.raises(UnsupportedModel, match="is not a Hugging Face model"):
+            check_supported(not_a_model)
