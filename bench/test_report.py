@@ -107,9 +107,10 @@ def test_the_report_writes_json_markdown_and_plots_with_the_environment_in_each(
     assert all(p.stat().st_size > 0 for p in paths)
     md = (tmp_path / "results.md").read_text()
     assert report.env_line(ENV) in md and "ERROR: RuntimeError: boom" in md
-    # pooled without each round's warm-up: generate 2, 3, 1 (median 2, share 3 / 6), cb_impl 1, 1, 5 (median 1)
-    assert "| 8 | generate | 2.00 | 1.00 - 3.00 | 1.00 | 50% | 510 | +0 |" in md, "median, spread, share, peak"
-    assert "| 8 | cb_impl | 1.00 | 1.00 - 5.00 | 2.00 | n/a | 460 | -50 |" in md, "speedup and memory delta"
+    # pooled without each round's warm-up: generate 2, 3, 1 (median 2, share 3 / 6), cb_impl 1, 1, 5 (median 1);
+    # paired step by step: 2/1, 3/1, 1/5 (median 2); no generation times for cb_impl, so no generation speedup
+    assert "| 8 | generate | 2.00 | 1.00 - 3.00 | 1.00 | 1.00 (1.00 - 1.00) | 1.00 | 50% | 510 | +0 |" in md
+    assert "| 8 | cb_impl | 1.00 | 1.00 - 5.00 | 2.00 | 2.00 (0.20 - 3.00) | n/a | n/a | 460 | -50 |" in md
     assert "| GRPO step N=8: cb_impl speedup vs generate() >= 1.0 | 2.000 | yes |" in md
     assert json.loads((tmp_path / "results.json").read_text())["env"] == ENV
     with Image.open(tmp_path / "throughput.png") as png:
@@ -152,3 +153,11 @@ def test_matrix_rounds_pool_to_the_median_run_with_its_spread_and_every_round_s_
     assert sorted((r["workload"], r["round"]) for r in read_logs(tmp_path)) == [
         ("gsm8k-like", 0), ("gsm8k-like", 1), ("gsm8k-like", 2), ("uniform", 0)
     ]  # fmt: skip
+
+
+def test_paired_speedups_divide_step_by_step_and_only_when_both_paths_timed_the_same_steps():
+    from cbverify.bench.grpo_step import paired_speedups
+
+    assert paired_speedups([2.0, 3.0, 1.0], [1.0, 1.5, 4.0]) == [2.0, 2.0, 0.25]
+    assert paired_speedups([2.0, 3.0], [1.0]) is None, "a path with a missing step is not paired"
+    assert paired_speedups([], []) is None and paired_speedups(None, [1.0]) is None

@@ -154,11 +154,20 @@ def pool_rounds(rows: list[dict]) -> list[dict]:
         return group[0] | {
             "rounds": len(group), "timed_steps": len(steps), "step_times_s": steps, "step_s": statistics.median(steps),
             "step_min_s": min(steps), "step_max_s": max(steps),
-            "generation_share": sum(gens) / sum(steps) if gens else None,
+            "generation_share": sum(gens) / sum(steps) if gens else None, "generation_times_s": gens or None,
             "peak_memory_mb": max(r["peak_memory_mb"] for r in group),
         }  # fmt: skip
 
     return measure.pool_groups(rows, lambda r: (r["path"], r["n"]), pool)
+
+
+def paired_speedups(base: list[float], other: list[float]) -> list[float] | None:
+    """``base[i] / other[i]`` for each timed step: step ``i`` of every path trains on the same prompts (same data
+    order, same round), so the ratio cancels what varies from step to step (the prompts, the completion lengths),
+    which the ratio of the medians does not. ``None`` unless both paths timed the same number of steps."""
+    if not base or not other or len(base) != len(other):
+        return None
+    return [b / o for b, o in zip(base, other, strict=True)]
 
 
 def run_grpo(cfg: GrpoConfig, out_dir: Path, *, from_logs: bool = False) -> dict:

@@ -7,10 +7,11 @@ PNG in a footer line.
 from __future__ import annotations
 
 import json
+import statistics
 import textwrap
 from pathlib import Path
 
-from cbverify.bench.grpo_step import PATHS
+from cbverify.bench.grpo_step import PATHS, paired_speedups
 from cbverify.bench.timed import ENGINES
 from cbverify.engines import OWN_ENV_ENGINES
 
@@ -114,20 +115,26 @@ def grpo_markdown(grpo: dict) -> str:
     of the step times and the generation share, then the GRPO-step targets. Rows are TRL's trainer generation paths
     (``cbverify.bench.grpo_step.PATHS``: ``generate`` is the trainer's default path)."""
     lines = ["## GRPO step (TRL GRPOTrainer)", "", f"- {grpo.get('setup', '')}", "",
-             "| N | generation path | step s (median) | min - max s | speedup vs generate() | generation share "
-             "| peak MB | delta vs generate() MB |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| N | generation path | step s (median) | min - max s | speedup vs generate() | paired speedup: "
+             "median (min - max) | generation speedup (paired median) | generation share | peak MB "
+             "| delta vs generate() MB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     by = {(r["n"], r["path"]): r for r in grpo["rows"]}
     for (n, path), r in sorted(by.items(), key=lambda kv: (kv[0][0], PATHS.index(kv[0][1]))):
         if "error" in r:
-            lines.append(f"| {n} | {path} | ERROR: {r['error'][:200]} | | | | | |")
+            lines.append(f"| {n} | {path} | ERROR: {r['error'][:200]} | | | | | | | |")
             continue
         base = by.get((n, "generate"))
         ok = base is not None and "error" not in base
         speed = _fmt(base["step_s"] / r["step_s"] if ok else None)
         delta = _fmt(r["peak_memory_mb"] - base["peak_memory_mb"] if ok else None, "+.0f")
         spread = f"{_fmt(r.get('step_min_s'))} - {_fmt(r.get('step_max_s'))}"
-        lines.append(f"| {n} | {path} | {r['step_s']:.2f} | {spread} | {speed} | "
-                     f"{_fmt(r.get('generation_share'), '.0%')} | {r['peak_memory_mb']:.0f} | {delta} |")  # fmt: skip
+        paired = paired_speedups(base["step_times_s"], r["step_times_s"]) if ok else None
+        paired_text = f"{statistics.median(paired):.2f} ({min(paired):.2f} - {max(paired):.2f})" if paired else "n/a"
+        gen = paired_speedups(base.get("generation_times_s"), r.get("generation_times_s")) if ok else None
+        lines.append(f"| {n} | {path} | {r['step_s']:.2f} | {spread} | {speed} | {paired_text} | "
+                     f"{_fmt(statistics.median(gen) if gen else None)} | {_fmt(r.get('generation_share'), '.0%')} | "
+                     f"{r['peak_memory_mb']:.0f} | {delta} |")  # fmt: skip
     targets = grpo_targets(grpo["rows"])
     if targets:
         lines += ["", "| GRPO-step target | measured | met |", "|---|---|---|"]
