@@ -136,3 +136,7 @@ def test_the_importance_weights_meet_both_bounds_on_weights_below_between_and_ab
     weights = importance_weights(at, torch.zeros(2, 1, dtype=torch.float64), torch.ones(2, 1, dtype=torch.float64),
                                  LossConfig(is_correction=mode, is_clip_min=1.0, is_clip_max=exact))  # fmt: skip
     assert weights.flatten().tolist() == [1.0, exact]
+    # no upper bound (is_clip_max=None): every weight above the lower bound is kept as it is, however large
+    weights = importance_weights(old, sampling, mask, LossConfig(is_correction=mode, is_clip_min=lo, is_clip_max=None))
+    keep = [max(w, lo) if mode.endswith("truncate") else (w if w >= lo else 0.0) for w in raw]
+    torch.testing.assert_close(weights[:, 0], torch.tensor(keep, dtype=torch.float64), rtol=FLOAT64_RTOL, atol=0)
