@@ -203,3 +203,11 @@ def test_entropies_default_to_temperature_one_and_refuse_a_temperature_of_zero(l
     assert torch.equal(default, one)
     with pytest.raises(ValueError, match="temperature must be > 0"):
         per_token_entropies(llama.model, [[1, 6]], [[5, 16]], 0.0)
+
+
+def test_generate_refuses_a_request_id_used_twice_in_one_call_and_keeps_request_order(llama):
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=2)
+    a, b = RolloutRequest("a", (1, 5), sampling), RolloutRequest("b", (1, 6), sampling)
+    with pytest.raises(ValueError, match="request_ids must be unique"):
+        generate(llama.model, [a, b, RolloutRequest("a", (1, 7), sampling)])
+    assert [r.request_id for r in generate(llama.model, [b, a])] == ["b", "a"]
