@@ -119,6 +119,7 @@ def test_greedy_equals_transformers_generate_without_sampling(bundled_model):
     sampling=sampling_params(greedy=False),
 )
 @example(values=[-32, -42, -92, -93], sampling=SamplingParams(temperature=1.0, top_k=3, top_p=0.85))  # order matters
+@example(values=[-32, 7, -92], sampling=SamplingParams(temperature=1.5, min_p=1.0))  # min-p's edge: the top token only
 def test_process_logits_keeps_the_same_tokens_and_probabilities_as_transformers_warpers(values, sampling):
     logits = torch.tensor(values, dtype=torch.float32) / 40.0  # distinct logits: no ties at a top-p boundary
     scores = logits[None, :] / sampling.temperature
