@@ -365,5 +365,6 @@ def test_the_distribution_report_gives_the_counts_and_the_first_rejected_nodes()
     assert "7 node tests" in lines[0] and "alpha 0.001" in lines[0] and "6 rejected" in lines[0]
     assert lines[1].strip() == "request 'r' position 0 prefix []: p=0.0001 (n=60; token 3 seen 9x, expected 20.5)"
     assert "position 2 prefix [4, 5]: p=1e-06" in lines[3]
+    assert len(lines) == 1 + 5, "the report lists the first five rejected nodes, however many there are"
     passed = DistributionResult(1e-3, tests[:3], ())
     assert passed.passed and "3 node tests" in passed.describe() and "0 rejected" in passed.describe()
