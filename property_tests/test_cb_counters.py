@@ -111,3 +111,21 @@ def test_the_step_timers_add_up_to_the_time_spent_in_steps(llama):
     timers = [stats[k] for k in ("schedule_s", "model_s", "sample_s")]
     assert stats["num_steps"] >= 10 and all(t > 0 for t in timers), stats
     assert 0.5 * wall <= sum(timers) <= wall, (timers, wall)
+
+
+def test_each_step_timer_accumulates_its_own_interval_of_every_step(llama, monkeypatch):
+    """Against a fake clock whose readings within a step are 1, 2 and 4 s apart (schedule, model, sample), every
+    timer is exactly its interval times the number of steps: one that keeps only the last step, swaps two readings or
+    drops a step is off by whole seconds."""
+    import itertools
+    from types import SimpleNamespace
+
+    import cb_impl.engine
+
+    gaps = itertools.cycle([8.0, 1.0, 2.0, 4.0])  # (the first reading), t0 -> t1 -> t2 -> end of the step
+    clock = itertools.accumulate(gaps)
+    monkeypatch.setattr(cb_impl.engine, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    engine = LLMEngine(llama.model, EngineConfig(block_size=4, num_blocks=32))
+    engine.generate([RolloutRequest("r", (1, 2, 3), SamplingParams(temperature=0.0, max_new_tokens=5))])
+    n = engine.stats["num_steps"]
+    assert n == 5 and [engine.stats[k] for k in ("schedule_s", "model_s", "sample_s")] == [n * 1.0, n * 2.0, n * 4.0]
