@@ -229,3 +229,18 @@ def test_the_scheduler_refuses_an_arrival_that_does_not_increase_the_ids_and_the
     bm.allocate(second, 1)  # 4 in use
     bm.deallocate(first)
     assert bm.peak_used_blocks == 4 and bm.num_used_blocks == 1
+
+
+def test_postprocess_refuses_a_token_or_log_prob_count_other_than_the_batchs_samples_and_changes_nothing():
+    bm = BlockManager(8, 4)
+    sched = Scheduler(bm, max_batch_tokens=8, max_num_seqs=4, enable_prefix_sharing=False)
+    for i in range(2):
+        sched.add(Sequence(i, [1, 2, 3], max_new_tokens=2, eos_token_ids=()))
+    batch = sched.schedule()
+    assert len(batch.samples) == 2, "not the state under test"
+    for tokens, logprobs in (([4], [-0.1]), ([4], [-0.1, -0.2]), ([4, 5], [-0.1]), ([4, 5, 6], [-0.1, -0.2, -0.3])):
+        with pytest.raises(ValueError, match=f"{len(tokens)} tokens, {len(logprobs)} log-probs for 2 samples"):
+            sched.postprocess(batch, tokens, logprobs)
+    assert all(s.num_completion_tokens == 0 for s in batch.samples)
+    assert sched.postprocess(batch, [4, 5], [-0.1, -0.2]) == []
+    assert [s.completion_ids for s in batch.samples] == [(4,), (5,)]
