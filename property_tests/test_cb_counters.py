@@ -129,3 +129,18 @@ def test_each_step_timer_accumulates_its_own_interval_of_every_step(llama, monke
     engine.generate([RolloutRequest("r", (1, 2, 3), SamplingParams(temperature=0.0, max_new_tokens=5))])
     n = engine.stats["num_steps"]
     assert n == 5 and [engine.stats[k] for k in ("schedule_s", "model_s", "sample_s")] == [n * 1.0, n * 2.0, n * 4.0]
+
+
+def test_a_group_decoding_wider_than_the_token_budget_counts_no_partial_prefill_after_its_prompt(llama):
+    """A group of four sharing one 3-token prompt with a budget of 2 tokens a step: the prompt takes two steps (one
+    partial prefill), then the four members decode two at a time. A member left without budget in a step is not
+    scheduled at all (not as an empty chunk counted as a partial prefill), and the tokens are the oracle's."""
+    from reference.generate import generate as reference_generate
+
+    engine = LLMEngine(llama.model, EngineConfig(num_blocks=32, block_size=4, max_batch_tokens=2))
+    requests = [RolloutRequest(f"g{i}", (1, 6, 5), SamplingParams(temperature=1.0, max_new_tokens=4), seed=i,
+                               eos_token_ids=()) for i in range(4)]  # fmt: skip
+    got = engine.generate(requests)
+    assert engine.stats["num_partial_prefills"] == 1, engine.stats
+    assert engine.stats["num_forward_tokens"] == 3 + 4 * 3, "the prompt once, then every token but the last"
+    assert [r.completion_ids for r in got] == [r.completion_ids for r in reference_generate(llama.model, requests)]
