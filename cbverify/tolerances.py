@@ -61,8 +61,8 @@ class Tier:
     def __post_init__(self) -> None:
         if self.token_rule not in ("exact_or_near_tie", "near_tie_in_noise"):
             raise ValueError(f"unknown token_rule {self.token_rule!r}")
-        if min(self.near_tie_gap, self.logprob_max_abs, self.logprob_mean_abs, self.ulp) < 0:
-            raise ValueError("tolerances must be >= 0")
+        if not all(x >= 0 for x in (self.near_tie_gap, self.logprob_max_abs, self.logprob_mean_abs, self.ulp)):
+            raise ValueError("tolerances must be >= 0 (and not NaN)")
         if (self.token_rule == "near_tie_in_noise") != (self.ulp > 0):
             raise ValueError("near_tie_in_noise needs the dtype's ulp (> 0), exact_or_near_tie absolute bounds")
 

@@ -300,10 +300,11 @@ def _tier(**changes) -> Tier:
 
 
 @pytest.mark.parametrize("field", ["near_tie_gap", "logprob_max_abs", "logprob_mean_abs", "ulp"])
-def test_a_tier_refuses_each_negative_bound(field):
+def test_a_tier_refuses_each_negative_or_nan_bound(field):
     _tier()  # the same tier with no negative field is accepted
-    with pytest.raises(ValueError):
-        _tier(**{field: -1e-3})
+    for bad in (-1e-3, math.nan):  # a NaN bound would make every comparison against it false
+        with pytest.raises(ValueError, match="tolerances must be >= 0"):
+            _tier(**{field: bad})
 
 
 def test_a_tier_refuses_an_unknown_token_rule_and_a_rule_that_does_not_match_its_ulp():
