@@ -144,3 +144,12 @@ def test_a_group_decoding_wider_than_the_token_budget_counts_no_partial_prefill_
     assert engine.stats["num_partial_prefills"] == 1, engine.stats
     assert engine.stats["num_forward_tokens"] == 3 + 4 * 3, "the prompt once, then every token but the last"
     assert [r.completion_ids for r in got] == [r.completion_ids for r in reference_generate(llama.model, requests)]
+
+
+def test_requests_with_different_prompts_are_all_prefilled_in_the_first_step_when_they_fit(llama):
+    """Prefix sharing on, three distinct prompts within the budget: one step prefills all three (the search for a
+    group ends at the first different prompt, it does not end the admission), then one step per further token."""
+    engine = LLMEngine(llama.model, EngineConfig(num_blocks=32, block_size=4, max_batch_tokens=64))
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=3)
+    engine.generate([RolloutRequest(f"r{i}", (1, 6, 5 + i), sampling, eos_token_ids=()) for i in range(3)])
+    assert engine.stats["num_steps"] == 3 and engine.stats["num_forward_tokens"] == 3 * 3 + 3 * 2, engine.stats

@@ -244,3 +244,12 @@ def test_postprocess_refuses_a_token_or_log_prob_count_other_than_the_batchs_sam
     assert all(s.num_completion_tokens == 0 for s in batch.samples)
     assert sched.postprocess(batch, [4, 5], [-0.1, -0.2]) == []
     assert [s.completion_ids for s in batch.samples] == [(4,), (5,)]
+
+
+def test_a_sequence_is_named_after_its_id_unless_given_a_request_id_and_refuses_an_empty_or_endless_request():
+    assert Sequence(7, [1], max_new_tokens=1).request_id == "7"
+    assert Sequence(7, [1], max_new_tokens=1, request_id="r7").request_id == "r7"
+    with pytest.raises(ValueError, match="sequence 3: empty prompt"):
+        Sequence(3, [], max_new_tokens=1)
+    with pytest.raises(ValueError, match="sequence 3: max_new_tokens must be >= 1, got 0"):
+        Sequence(3, [1], max_new_tokens=0)
