@@ -24,6 +24,17 @@ from reference.spec import Rollout, RolloutRequest
 pytestmark = pytest.mark.upstream
 
 
+class RecordingOracle:
+    """A rollout engine that records the requests it is given and completes them with the reference oracle."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model, self.requests = model, []
+
+    def generate(self, requests):
+        self.requests += list(requests)
+        return [reference_generate(self.model, [r])[0] for r in requests]
+
+
 def _weights_digest(model: torch.nn.Module) -> str:
     h = hashlib.sha1()
     for p in model.parameters():
@@ -140,20 +151,12 @@ def test_a_trainer_without_the_optional_generation_options_samples_unfiltered_an
     from cb_impl.trl import make_rollout_func, trainer_sampling
     from reference.spec import SamplingParams
 
-    class Recording:
-        def __init__(self):
-            self.requests = []
-
-        def generate(self, requests):
-            self.requests += list(requests)
-            return [reference_generate(llama.model, [r])[0] for r in requests]
-
     trainer = SimpleNamespace(temperature=0.8, max_completion_length=4)
     assert trainer_sampling(trainer) == SamplingParams(temperature=0.8, top_k=0, top_p=1.0, min_p=0.0,
                                                        max_new_tokens=4)  # fmt: skip
     trainer.state, trainer.processing_class = SimpleNamespace(global_step=0), llama.tokenizer
     trainer.accelerator = SimpleNamespace(unwrap_model=lambda m: m, process_index=0)
-    recording = Recording()
+    recording = RecordingOracle(llama.model)
     make_rollout_func(engine=recording)(["1+2="], trainer)
     assert [r.eos_token_ids for r in recording.requests] == [(llama.tokenizer.eos_token_id,)]
 
@@ -201,14 +204,6 @@ def test_each_process_seeds_its_rows_of_the_global_batch(llama):
 
     from cb_impl.trl import make_rollout_func
 
-    class Recording:
-        def __init__(self):
-            self.requests = []
-
-        def generate(self, requests):
-            self.requests += list(requests)
-            return [reference_generate(llama.model, [r])[0] for r in requests]
-
     def trainer(process_index):
         return SimpleNamespace(
             temperature=1.0, top_k=0, top_p=1.0, min_p=None, repetition_penalty=1.0, max_completion_length=3,
@@ -217,7 +212,7 @@ def test_each_process_seeds_its_rows_of_the_global_batch(llama):
         )  # fmt: skip
 
     prompts = ["1+2=", "1+2=", "3+4=", "3+4="]
-    one, halves = Recording(), [Recording(), Recording()]
+    one, halves = RecordingOracle(llama.model), [RecordingOracle(llama.model), RecordingOracle(llama.model)]
     make_rollout_func(engine=one)(prompts, trainer(0))
     for rank, recording in enumerate(halves):
         make_rollout_func(engine=recording)(prompts[2 * rank : 2 * rank + 2], trainer(rank))
