@@ -276,3 +276,19 @@ def test_masked_mean_averages_real_tokens_or_whole_sequences_as_trl_logs_them():
     assert masked_mean(torch.tensor([[3.0], [6.0]]), two) == 4.5  # per sequence with T = 2
     assert masked_mean(torch.tensor([[7.0]]), torch.tensor([[1.0]])) == 7.0  # T = 1: one token, by the mask
     assert masked_mean(torch.tensor([[7.0]]), torch.tensor([[0.0]])) == 0.0  # no real token
+
+
+@pytest.mark.parametrize(("loss_type", "epsilon_high", "want"), [("grpo", 0.0, (1, 1)), ("cispo", 1.0, (0, 1))])
+def test_the_clip_fractions_count_ratios_strictly_beyond_a_bound_and_advantages_of_the_bounds_sign(
+    loss_type, epsilon_high, want
+):
+    """One token per sequence. With both bounds at a ratio of exactly 1 (grpo with epsilon 0; cispo with its cap
+    at 1), rows on a bound are not clipped, nor is a row beyond a bound whose advantage is 0 (TRL's
+    ``is_low_clipped`` / ``is_high_clipped``); one row beyond each bound with an advantage of that bound's sign is."""
+    d = torch.tensor([[0.0], [0.0], [0.5], [0.5], [-0.5], [-0.5]], dtype=torch.float64)  # log-ratios, exact
+    advantages = torch.tensor([1.0, -1.0, 0.0, 1.0, -1.0, 0.0], dtype=torch.float64)
+    old = torch.full_like(d, -1.0)
+    config = LossConfig(loss_type=loss_type, epsilon_low=0.0, epsilon_high=epsilon_high)
+    out = grpo_loss(old + d, old, None, None, advantages, torch.ones_like(d), config)
+    low, high = want  # rows clipped at the low bound (row 4) and at the high one (row 3)
+    assert (out.clip_low_fraction, out.clip_high_fraction, out.clip_fraction) == (low / 6, high / 6, (low + high) / 6)
