@@ -292,3 +292,4 @@ def test_the_clip_fractions_count_ratios_strictly_beyond_a_bound_and_advantages_
     out = grpo_loss(old + d, old, None, None, advantages, torch.ones_like(d), config)
     low, high = want  # rows clipped at the low bound (row 4) and at the high one (row 3)
     assert (out.clip_low_fraction, out.clip_high_fraction, out.clip_fraction) == (low / 6, high / 6, (low + high) / 6)
+    assert out.is_weights is None, "no importance-sampling correction configured"
