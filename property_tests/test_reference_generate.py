@@ -212,3 +212,16 @@ def test_generate_refuses_a_request_id_used_twice_in_one_call_and_keeps_request_
     with pytest.raises(ValueError, match="request_ids must be unique"):
         generate(llama.model, [a, b, RolloutRequest("a", (1, 7), sampling)])
     assert [r.request_id for r in generate(llama.model, [b, a])] == ["b", "a"]
+
+
+def test_trainer_log_probs_default_to_temperature_one_and_refuse_zero_and_unpaired_lists(llama):
+    from reference.logprobs import per_token_logps
+
+    prompts, completions = [(1, 5, 6)], [(7, 8)]
+    logits = llama.model(torch.tensor([[1, 5, 6, 7]])).logits[0, 2:4].float()  # (2, V): the rows predicting 7, 8
+    want = torch.log_softmax(logits, dim=-1)[torch.arange(2), torch.tensor([7, 8])]
+    torch.testing.assert_close(per_token_logps(llama.model, prompts, completions)[0], want, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="temperature must be > 0 for trainer log-probs"):
+        per_token_logps(llama.model, prompts, completions, temperature=0.0)
+    with pytest.raises(ValueError):
+        per_token_logps(llama.model, prompts * 2, completions)
