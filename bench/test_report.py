@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from PIL import Image
 
 from cbverify.bench import report
@@ -161,3 +164,68 @@ def test_paired_speedups_divide_step_by_step_and_only_when_both_paths_timed_the_
     assert paired_speedups([2.0, 3.0, 1.0], [1.0, 1.5, 4.0]) == [2.0, 2.0, 0.25]
     assert paired_speedups([2.0, 3.0], [1.0]) is None, "a path with a missing step is not paired"
     assert paired_speedups([], []) is None and paired_speedups(None, [1.0]) is None
+
+
+@given(share=st.floats(0.0, 1.0), target=st.floats(1.0, 4.0), over=st.floats(1.001, 10.0))
+def test_the_generation_speedup_a_step_target_needs_is_amdahls_bound(share, target, over):
+    """With generation ``share`` of the step and the rest unchanged, generation ``needed`` times faster makes the step
+    exactly ``target`` times faster; faster still beats the target, slower misses it; and when the rest alone is more
+    than ``1 / target`` of the step no generation speed is enough."""
+    needed = report.generation_speedup_needed(share, target)
+
+    def step_speedup(x: float) -> float:
+        return 1.0 / ((1.0 - share) + share / x)
+
+    if math.isinf(needed):
+        assert step_speedup(1e12) <= target * (1 + 1e-9)
+    else:
+        assert step_speedup(needed) == pytest.approx(target, rel=1e-9)
+        assert step_speedup(needed * over) > target and step_speedup(needed / over) < target
+
+
+def test_the_grpo_targets_say_which_generation_speedup_each_needs_and_which_was_measured():
+    # generate(): steps 2, 2 with generation 1, 1 (share 50%); cb_impl: steps 1.6, 1.6 with generation 0.6, 0.6.
+    # Target 1.25 at N=32 needs 0.5 / (0.8 - 0.5) = 5/3 generation speedup; measured 1 / 0.6 = 5/3 as well.
+    rows = pool_rounds([
+        {"path": "generate", "n": 32, "step_times_s": [9.0, 2.0, 2.0], "generation_s": [5.0, 1.0, 1.0],
+         "peak_memory_mb": 1.0},
+        {"path": "cb_impl", "n": 32, "step_times_s": [9.0, 1.6, 1.6], "generation_s": [5.0, 0.6, 0.6],
+         "peak_memory_mb": 1.0},
+        {"path": "generate", "n": 64, "step_times_s": [9.0, 2.0], "generation_s": [5.0, 0.2], "peak_memory_mb": 1.0},
+        {"path": "cb_impl", "n": 64, "step_times_s": [9.0, 1.9], "generation_s": [5.0, 0.1], "peak_memory_mb": 1.0},
+    ])  # fmt: skip
+    by_n = {int(t["target"].split("N=")[1].split(":")[0]): t for t in report.grpo_targets(rows)}
+    assert by_n[32]["generation_speedup_needed"] == pytest.approx(5 / 3)
+    assert by_n[32]["generation_speedup"] == pytest.approx(5 / 3) and by_n[32]["met"] is True
+    assert math.isinf(by_n[64]["generation_speedup_needed"]), "generation 10% of the step cannot make it 1.25x"
+    md = report.grpo_markdown({"setup": "s", "rows": rows})
+    assert "| GRPO step N=32: cb_impl speedup vs generate() >= 1.25 | 1.250 | yes | 1.67 (50%) | 1.67 |" in md
+    assert "| GRPO step N=64: cb_impl speedup vs generate() >= 1.25 | 1.053 | **no** | unreachable (10%) | 2.00 |" in (
+        md
+    )
+
+
+def test_a_generation_share_outside_zero_to_one_or_a_non_positive_target_is_refused():
+    for share, target in ((-0.1, 1.25), (1.5, 1.25), (0.5, 0.0)):
+        with pytest.raises(ValueError, match="share"):
+            report.generation_speedup_needed(share, target)
+
+
+def test_bench_from_logs_names_every_missed_target_the_grpo_step_s_included_and_strict_targets_exit_1(
+    tmp_path, capsys
+):
+    from cbverify.cli import main
+
+    (tmp_path / "logs").mkdir()
+    for engine, tokens_per_s in (("hf-generate", 10.0), ("cb_impl", 5.0)):  # cb_impl at half generate()'s speed
+        (tmp_path / "logs" / f"gsm8k-like-{engine}.jsonl").write_text(json.dumps(record(engine, 8, tokens_per_s, 1)))
+    for path, step in (("generate", 1.0), ("cb_impl", 2.0)):  # and at half its GRPO step speed
+        line = {"path": path, "n": 8, "step_times_s": [9.0, step], "generation_s": [5.0, step / 2],
+                "peak_memory_mb": 1.0}  # fmt: skip
+        (tmp_path / "logs" / f"grpo-{path}-r0.jsonl").write_text(json.dumps(line))
+    args = ["bench", "--from-logs", "--out", str(tmp_path), "--workload", "gsm8k-like", "--n", "8", "--grpo-n", "8"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "NOTE: 2 target(s) missed: gsm8k-like N=8: cb_impl tokens_per_s / hf-generate >= 1.0; " in out
+    assert "GRPO step N=8: cb_impl speedup vs generate() >= 1.0" in out.split("NOTE:")[1]
+    assert main([*args, "--strict-targets"]) == 1 and "FAIL: 2 target(s) missed" in capsys.readouterr().out

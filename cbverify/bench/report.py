@@ -7,6 +7,7 @@ PNG in a footer line.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import textwrap
 from pathlib import Path
@@ -131,15 +132,40 @@ def grpo_markdown(grpo: dict) -> str:
         spread = f"{_fmt(r.get('step_min_s'))} - {_fmt(r.get('step_max_s'))}"
         paired = paired_speedups(base["step_times_s"], r["step_times_s"]) if ok else None
         paired_text = f"{statistics.median(paired):.2f} ({min(paired):.2f} - {max(paired):.2f})" if paired else "n/a"
-        gen = paired_speedups(base.get("generation_times_s"), r.get("generation_times_s")) if ok else None
-        lines.append(f"| {n} | {path} | {r['step_s']:.2f} | {spread} | {speed} | {paired_text} | "
-                     f"{_fmt(statistics.median(gen) if gen else None)} | {_fmt(r.get('generation_share'), '.0%')} | "
-                     f"{r['peak_memory_mb']:.0f} | {delta} |")  # fmt: skip
+        gen = _fmt(_generation_speedup(base, r) if ok else None)
+        lines.append(f"| {n} | {path} | {r['step_s']:.2f} | {spread} | {speed} | {paired_text} | {gen} | "
+                     f"{_fmt(r.get('generation_share'), '.0%')} | {r['peak_memory_mb']:.0f} | {delta} |")  # fmt: skip
     targets = grpo_targets(grpo["rows"])
     if targets:
-        lines += ["", "| GRPO-step target | measured | met |", "|---|---|---|"]
-        lines += [f"| {t['target']} | {_fmt(t['value'], '.3f')} | {_met(t['met'])} |" for t in targets]
+        lines += ["", "| GRPO-step target | measured | met | generation speedup it needs (generate()'s share) "
+                  "| generation speedup measured |", "|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {t['target']} | {_fmt(t['value'], '.3f')} | {_met(t['met'])} | {_needed(t)} | "
+                  f"{_fmt(t['generation_speedup'])} |" for t in targets]  # fmt: skip
     return "\n".join(lines)
+
+
+def _generation_speedup(base: dict, row: dict) -> float | None:
+    """The median of ``generate()``'s generation time over ``row``'s, step by step (None without both)."""
+    gen = paired_speedups(base.get("generation_times_s"), row.get("generation_times_s"))
+    return statistics.median(gen) if gen else None
+
+
+def generation_speedup_needed(share: float, target: float) -> float:
+    """Amdahl's bound: the generation speedup ``x`` that makes a step ``target`` times faster when generation is
+    ``share`` of it and the rest of the step is unchanged, ``1 / ((1 - share) + share / x) = target``; infinite when
+    the rest alone takes more than ``1 / target`` of the step (no generation speed reaches the target)."""
+    if not 0.0 <= share <= 1.0 or target <= 0:
+        raise ValueError(f"need 0 <= share <= 1 and target > 0, got share={share}, target={target}")
+    slack = 1.0 / target - (1.0 - share)
+    return share / slack if slack > 0 else math.inf
+
+
+def _needed(target: dict) -> str:
+    needed, share = target["generation_speedup_needed"], target["generate_share"]
+    if needed is None:
+        return "n/a"
+    text = "unreachable" if math.isinf(needed) else f"{needed:.2f}"
+    return f"{text} ({share:.0%})"
 
 
 # (N, path, minimum speedup of the median step versus generate())
@@ -154,8 +180,12 @@ def grpo_targets(rows: list[dict]) -> list[dict]:
         if a is None and b is None:
             continue
         value = b["step_s"] / a["step_s"] if a and b else None
+        share = b.get("generation_share") if b else None
+        needed = None if share is None else generation_speedup_needed(share, threshold)
         out.append({"target": f"GRPO step N={n}: {path} speedup vs generate() >= {threshold}", "value": value,
-                    "met": None if value is None else value >= threshold})  # fmt: skip
+                    "met": None if value is None else value >= threshold, "generate_share": share,
+                    "generation_speedup_needed": needed,
+                    "generation_speedup": _generation_speedup(b, a) if a and b else None})  # fmt: skip
     return out
 
 

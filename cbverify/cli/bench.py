@@ -90,7 +90,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="do not run: rebuild the report from the worker records already under OUT/logs",
     )
     parser.add_argument(
-        "--strict-targets", action="store_true", help="exit 1 when a CPU target (cbverify/bench/suite.py) is missed"
+        "--strict-targets",
+        action="store_true",
+        help="exit 1 when a target is missed (the matrix's in cbverify/bench/suite.py, the GRPO step's in report.py)",
     )
 
 
@@ -122,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
     print("wrote " + ", ".join(str(p) for p in paths))
     failed = [c for c in result["cases"] if c.get("check_problems")]
     failed += [r for r in (result.get("grpo") or {}).get("rows", []) if "error" in r]
-    missed = [t for t in result["targets"] if t["met"] is False]
+    missed = [t for t in result["targets"] + report.grpo_targets((result.get("grpo") or {}).get("rows", []))
+              if t["met"] is False]  # fmt: skip
     if failed:
         print(f"FAIL: {len(failed)} case(s) errored or failed their output checks (see results.md)")
     if missed:
