@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from cb_impl.config import EngineConfig
 from cb_impl.engine import LLMEngine
@@ -75,6 +76,7 @@ def test_the_attention_pair_counters_count_each_step_s_needed_and_computed_query
                 computed += len(group) * max(n for _, n in group) * max(start + n for start, n in group)
     assert any(n > 1 and start > 0 for chunks in steps for start, n in chunks), "no chunked prefill was exercised"
     assert int(engine.runner.num_pairs) == needed and engine.runner.num_padded_pairs == computed
+    assert not torch.is_floating_point(engine.runner.num_pairs), "a float32 count is inexact beyond 2**24 pairs"
     assert engine.stats["attention_padding_waste"] == pytest.approx(1 - needed / computed, rel=1e-12)
 
 

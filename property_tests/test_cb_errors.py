@@ -288,9 +288,11 @@ def test_the_default_config_with_a_progress_bar_and_an_idle_step_change_nothing(
     assert_matches_reference(llama.model, requests, engine.generate(requests, progress=True), engine="cb_impl")
 
 
-def test_the_paged_attention_refuses_a_call_outside_an_engine_step_before_and_after_one(engine):
+def test_the_paged_attention_refuses_a_call_outside_an_engine_step_before_and_after_one(llama):
     """The attention function reads the step's metadata; called with none (before any step, or after one ended) it
-    must say so, not fail somewhere inside with stale or missing metadata."""
+    must say so, not fail somewhere inside with stale or missing metadata. A fresh engine: "before any step" is
+    before its first, whichever tests ran earlier."""
+    engine = LLMEngine(llama.model, EngineConfig(block_size=4, num_blocks=16, max_batch_tokens=32))
     attention = engine.runner.attention
     layer = engine.model.model.layers[0].self_attn
     q = torch.zeros(1, 2, 3, 8)
