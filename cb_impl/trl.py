@@ -5,12 +5,13 @@ prompt ``num_generations`` times, back to back) and expects ``{"prompt_ids", "co
 row per entry in order. Consecutive identical prompts form a GRPO group, which the engine prefills once and shares.
 
 The engine is built on the first call (from the trainer's model unless one was given) and kept for the whole run:
-it reads the weights live at every step, so optimizer updates are seen with no weight sync. ``logprobs`` are the
-sampler's processed log-probs (``reference.spec.Rollout``). Seeds are a function of (base seed, training step, row of
-the *global* batch): under data parallelism each process completes its slice (process ``r`` of ``N`` holds rows
-``r * B`` to ``(r + 1) * B - 1``), so no two processes share a seed, and N processes draw exactly what one process
-would for the same global batch. A rerun with the same seeds reproduces the rollouts. Trainer options the engine
-cannot honour (repetition penalty) raise.
+it reads the weights live at every step, so optimizer updates are seen with no weight sync. Without a ``config`` it
+holds at most the first call's batch at once, and its KV cache is sized for that many sequences (not the default
+256). ``logprobs`` are the sampler's processed log-probs (``reference.spec.Rollout``). Seeds are a function of (base
+seed, training step, row of the *global* batch): under data parallelism each process completes its slice (process
+``r`` of ``N`` holds rows ``r * B`` to ``(r + 1) * B - 1``), so no two processes share a seed, and N processes draw
+exactly what one process would for the same global batch. A rerun with the same seeds reproduces the rollouts.
+Trainer options the engine cannot honour (repetition penalty) raise.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def make_rollout_func(
     def rollout_func(prompts: list, trainer: Any) -> dict[str, list]:
         if rollout_func.engine is None:
             target = model if model is not None else trainer.accelerator.unwrap_model(trainer.model)
-            rollout_func.engine = LLMEngine(target, config)
+            cfg = config if config is not None else EngineConfig(max_num_seqs=len(prompts))  # one batch in flight
+            rollout_func.engine = LLMEngine(target, cfg)
         tok = tokenizer if tokenizer is not None else trainer.processing_class
         sampling = trainer_sampling(trainer)
         eos = tuple(int(t) for t in (getattr(trainer, "eos_token_ids", None) or [tok.eos_token_id]))

@@ -219,3 +219,27 @@ def test_each_process_seeds_its_rows_of_the_global_batch(llama):
     split = [r for recording in halves for r in recording.requests]
     assert [(r.request_id, r.seed) for r in split] == [(r.request_id, r.seed) for r in one.requests]
     assert len({r.seed for r in split}) == len(split)
+
+
+def test_without_a_config_the_engine_holds_one_generation_batch_and_its_cache_no_more(llama):
+    """The default engine admits at most the first call's batch at once (the trainer generates one batch at a time),
+    so its KV cache is sized for that many full-context sequences, not the engine default's 256; a later, larger
+    batch still completes every row (the rest wait their turn)."""
+    import math
+    from types import SimpleNamespace
+
+    from cb_impl.trl import make_rollout_func
+
+    trainer = SimpleNamespace(
+        temperature=1.0, top_k=0, top_p=1.0, min_p=None, repetition_penalty=1.0, max_completion_length=3,
+        eos_token_ids=[2], state=SimpleNamespace(global_step=0), processing_class=llama.tokenizer,
+        model=llama.model, accelerator=SimpleNamespace(unwrap_model=lambda m: m, process_index=0),
+    )  # fmt: skip
+    rollout_func = make_rollout_func()
+    rollout_func(["1+2=", "1+2=", "3+4="], trainer)
+    engine = rollout_func.engine
+    context = llama.model.config.max_position_embeddings
+    assert engine.config.max_num_seqs == 3 and engine.config.block_size == 16
+    assert engine.block_manager.num_blocks == 3 * math.ceil(context / 16)
+    out = rollout_func(["1+2="] * 5, trainer)
+    assert len(out["completion_ids"]) == 5 and all(1 <= len(c) <= 3 for c in out["completion_ids"])
