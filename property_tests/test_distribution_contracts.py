@@ -1,0 +1,233 @@
+"""The sampling-distribution test's own contracts (``cbverify.distribution``): the replicated requests, the binning and
+p-value of one node (``chi_square_node``), which nodes are tested and what they report (``node_tests``), the Holm
+step-down (``holm``) and ``distribution_test``'s defaults and argument checks, on hand-made counts, a stand-in model
+whose logits are a fixed table and a scripted engine (no real model runs).
+
+Expected values are computed independently: the bins of each case are worked out by hand in its comment (tokens in
+decreasing expected count, a bin closes once it expects >= 5, a short last bin joins the previous one) and their
+p-value is ``scipy.stats.chisquare`` applied directly to them; the worst token is the largest Pearson residual
+``|o - e| / sqrt(e)`` in plain ``math``; Holm's rejections are those of closed testing with Bonferroni local tests,
+brute-forced over every subset.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from itertools import combinations
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
+from scipy import stats
+
+from cbverify import distribution
+from cbverify.distribution import NodeTest, chi_square_node, holm, node_tests
+from cbverify.tolerances import DISTRIBUTION_ALPHA
+from reference.spec import Rollout, RolloutRequest, SamplingParams
+
+PROMPT = (1, 2)
+P = [0.1, 0.5, 0.4]  # the processed distribution of the stand-in model at every position; token 3 is cut by top-k
+SAMPLING = SamplingParams(temperature=1.0, top_k=3, max_new_tokens=3)
+
+
+class TableModel(torch.nn.Module):
+    """A stand-in causal LM whose logits are the same row at every position: log(P) and, for token 3, a logit below
+    all of them (raw probability ~0.05), so top-k 3 keeps exactly P."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.row = torch.log(torch.tensor([*P, 0.05]))  # (V,)
+        self.anchor = torch.nn.Parameter(torch.zeros(1))  # gives the model a device
+        self.config = SimpleNamespace(get_text_config=lambda: SimpleNamespace(vocab_size=4))
+
+    def forward(self, input_ids):
+        return SimpleNamespace(logits=self.row.expand(input_ids.shape[1], -1).unsqueeze(0))
+
+
+class ScriptedEngine:
+    """Copy ``k`` of the batch gets completion ``plan[k % len(plan)]``; records the batches it is asked for."""
+
+    name = "scripted"
+
+    def __init__(self, plan) -> None:
+        self.plan, self.batches = plan, []
+
+    def generate(self, requests):
+        self.batches.append(list(requests))
+        plans = [self.plan[k % len(self.plan)] for k in range(len(requests))]
+        return [
+            Rollout(r.request_id, r.prompt_ids, c, [0.0] * len(c), "length")
+            for r, c in zip(requests, plans, strict=True)
+        ]
+
+
+def _probs(p) -> torch.Tensor:
+    return torch.tensor(p, dtype=torch.float32)
+
+
+def test_replicated_copies_get_numbered_ids_and_consecutive_seeds_and_keep_everything_else():
+    request = RolloutRequest("q", PROMPT, SAMPLING, seed=7, eos_token_ids=(3,))
+    copies = distribution.replicate(request, 3)
+    assert [(c.request_id, c.seed) for c in copies] == [("q#0", 7), ("q#1", 8), ("q#2", 9)]
+    assert all((c.prompt_ids, c.sampling, c.eos_token_ids) == (PROMPT, SAMPLING, (3,)) for c in copies)
+
+
+def test_a_token_outside_the_support_observed_even_once_gives_p_zero_and_is_reported_with_expected_zero():
+    assert chi_square_node(Counter({0: 10, 3: 1}), _probs([0.5, 0.5, 0.0, 0.0])) == (0.0, 3, 1, 0.0)
+
+
+# (probs, observed, hand-made bins as token lists or None for one bin, worst token); n = sum(observed).
+NODE_CASES = {
+    # e = [5, 5, 5, 5]: every token closes its own bin at exactly 5, and a last bin of exactly 5 stays alone.
+    "four-bins-of-exactly-five": ([0.25] * 4, {0: 9, 1: 5, 2: 4, 3: 2}, [[0], [1], [2], [3]], 0),
+    # e = [12, 10, 8, 3, 3, 2, 2]: [0] [1] [2] [3, 4] (3 + 3 = 6) then [5, 6] expects 4, so joins [3, 4].
+    # Residuals: 8/sqrt(12) = 2.31 is the largest (then 4/sqrt(8) = 1.41).
+    "short-last-bin-joins-the-previous": (
+        [0.3, 0.25, 0.2, 0.075, 0.075, 0.05, 0.05],
+        {0: 20, 1: 8, 2: 4, 3: 1, 4: 2, 5: 3, 6: 2},
+        [[0], [1], [2], [3, 4, 5, 6]],
+        0,
+    ),
+    # e = [16, 4]: [0] then [1] expects 4 and joins it: one bin, no test. Residuals 7/4 < 7/2: token 1.
+    "two-tokens-one-bin": ([0.8, 0.2], {0: 9, 1: 11}, None, 1),
+    # e = [1.5, 0.5]: one bin expecting 2. Residuals 0.5/sqrt(1.5) = 0.41 < 0.5/sqrt(0.5) = 0.71: unseen token 1.
+    "fewer-than-five-expected-in-all": ([0.75, 0.25], {0: 2}, None, 1),
+    # e = [10, 9, 1]: [0] [1, 2]. Residuals 1/sqrt(10) = 0.32, 0, and 1/sqrt(1) = 1 for the unseen token 2.
+    "unseen-rare-token-is-worst": ([0.5, 0.45, 0.05], {0: 11, 1: 9}, [[0], [1, 2]], 2),
+    # e = [4, 16, 20]: [2] [1] then [0] expects 4 and joins [1]. Residuals 2/2 = 1, 5/4 = 1.25, 3/sqrt(20) = 0.67:
+    # token 1 (by |o - e| / e it would be token 0).
+    "pearson-residual-not-relative-error": ([0.1, 0.4, 0.5], {0: 6, 1: 11, 2: 23}, [[2], [1, 0]], 1),
+}
+
+
+@pytest.mark.parametrize("case", list(NODE_CASES))
+def test_a_bin_is_closed_once_it_expects_at_least_five_counts_and_a_short_last_bin_joins_the_previous_one(case):
+    probs, observed, bins, _ = NODE_CASES[case]
+    n = sum(observed.values())
+    p_value = chi_square_node(Counter(observed), _probs(probs))[0]
+    if bins is None:
+        assert p_value == 1.0, "a single bin is no test: the node passes"
+    else:
+        f_obs = [sum(observed.get(t, 0) for t in b) for b in bins]
+        f_exp = [n * sum(probs[t] for t in b) for b in bins]
+        assert p_value == pytest.approx(stats.chisquare(f_obs, f_exp).pvalue, rel=1e-6)
+
+
+@pytest.mark.parametrize("case", list(NODE_CASES))
+def test_the_reported_token_has_the_largest_pearson_residual_with_its_observed_and_expected_counts(case):
+    probs, observed, _, worst = NODE_CASES[case]
+    n = sum(observed.values())
+    _, got_worst, got_observed, got_expected = chi_square_node(Counter(observed), _probs(probs))
+    assert (got_worst, got_observed) == (worst, observed.get(worst, 0))
+    assert got_expected == pytest.approx(n * probs[worst], rel=1e-6)
+
+
+@given(
+    weights=st.lists(st.integers(1, 20), min_size=1, max_size=8),
+    counts=st.lists(st.integers(0, 15), min_size=8, max_size=8),
+)
+def test_the_worst_token_maximises_the_residual_and_fewer_than_ten_samples_never_make_a_test(weights, counts):
+    probs = [w / sum(weights) for w in weights]
+    observed = Counter({t: c for t, c in enumerate(counts[: len(weights)]) if c})
+    if not observed:
+        observed[0] = 1
+    n = sum(observed.values())
+    p_value, worst, seen, expected = chi_square_node(observed, _probs(probs))
+    exp = [n * float(_probs(probs)[t]) for t in range(len(probs))]
+    residual = [abs(observed[t] - exp[t]) / math.sqrt(exp[t]) for t in range(len(probs))]
+    assert residual[worst] == pytest.approx(max(residual), rel=1e-12)
+    assert (seen, expected) == (observed[worst], pytest.approx(exp[worst], rel=1e-12))
+    assert 0.0 <= p_value <= 1.0
+    if n < 10:  # two bins of >= 5 each need >= 10 expected counts
+        assert p_value == 1.0
+
+
+def _samples(*groups) -> list[Rollout]:
+    return [Rollout("r", PROMPT, c, [0.0] * len(c), "length") for count, c in groups for _ in range(count)]
+
+
+def test_nodes_seen_at_least_min_count_times_are_tested_in_order_of_position_then_prefix_with_their_report():
+    # Prefixes first seen in the order (), (2,), (1,), (1, 2), (0,); (0,) is seen 5 times, (2,) exactly min_count.
+    samples = _samples((25, (2, 3)), (30, (1, 2, 0)), (5, (0, 1)))
+    tests = node_tests(TableModel(), RolloutRequest("r", PROMPT, SAMPLING), samples, min_count=25)
+    got = [(t.request_id, t.position, t.prefix, t.num_samples, t.worst_token, t.observed) for t in tests]
+    assert got == [
+        # {0: 5, 1: 30, 2: 25} vs e = [6, 30, 24]: residuals 1/sqrt(6) = 0.41, 0, 1/sqrt(24) = 0.20
+        ("r", 0, (), 60, 0, 5),
+        # {2: 30} vs e = [3, 15, 12]: residuals 3/sqrt(3) = 1.73, 15/sqrt(15) = 3.87, 18/sqrt(12) = 5.20
+        ("r", 1, (1,), 30, 2, 30),
+        ("r", 1, (2,), 25, 3, 25),  # token 3 is cut by top-k: outside the support
+        # {0: 30} vs e = [3, 15, 12]: residuals 27/sqrt(3) = 15.6, 15/sqrt(15), 12/sqrt(12)
+        ("r", 2, (1, 2), 30, 0, 30),
+    ]
+    assert [t.expected for t in tests] == pytest.approx([6.0, 12.0, 0.0, 3.0], rel=1e-5)
+    # Bins: e = [6, 30, 24] -> [1] [2] [0]; e = [3, 15, 12] -> [1] [2, 0] (3 < 5 joins 12).
+    want = [stats.chisquare([30, 25, 5], [30, 24, 6]).pvalue, stats.chisquare([0, 30], [15, 15]).pvalue, 0.0]
+    assert [t.p_value for t in tests] == pytest.approx([want[0], want[1], 0.0, want[1]], rel=1e-5, abs=1e-300)
+    with pytest.raises(ValueError, match="for sampled requests; greedy tokens are compared exactly"):
+        node_tests(TableModel(), RolloutRequest("r", PROMPT, SamplingParams(temperature=0.0)), samples, min_count=1)
+
+
+def _closed_bonferroni(p_values: list[float], alpha: float) -> set[int]:
+    """Closed testing with Bonferroni local tests (Holm's step-down is its shortcut): H_i falls iff every
+    intersection H_S with i in S falls, i.e. min_{j in S} p_j <= alpha / |S|."""
+    m = range(len(p_values))
+    subsets = [s for r in range(1, len(p_values) + 1) for s in combinations(m, r)]
+    return {i for i in m if all(min(p_values[j] for j in s) <= alpha / len(s) for s in subsets if i in s)}
+
+
+A = 0.05
+BOUNDARY = st.integers(1, 6).map(lambda k: A / k)  # p-values exactly at a Holm threshold
+
+
+@given(p_values=st.lists(st.one_of(st.floats(0.0, 1.0), BOUNDARY, st.sampled_from([0.0, 1e-4])), max_size=6))
+@example(p_values=[A])  # exactly at its threshold: rejected
+@example(p_values=[A / 2, A])  # both exactly at their thresholds alpha/2 then alpha: both rejected
+@example(p_values=[0.04, 0.04])  # 0.04 > alpha/2: the step-down stops at once, nothing rejected
+def test_holm_rejects_exactly_what_closed_testing_with_bonferroni_rejects_smallest_p_value_first(p_values):
+    tests = [NodeTest("r", i, (), 50, p, 0, 0, 0.0) for i, p in enumerate(p_values)]
+    rejected = holm(tests, A)
+    assert all(isinstance(t, NodeTest) for t in rejected)
+    assert {t.position for t in rejected} == _closed_bonferroni(p_values, A)
+    assert [t.p_value for t in rejected] == sorted(t.p_value for t in rejected)
+
+
+PLAN = [(1,)] * 5 + [(2,)] * 4 + [(0,)]  # exactly P: a correct engine
+REQUEST = RolloutRequest("q", PROMPT, SAMPLING, seed=5)
+
+
+def test_by_default_each_request_is_sampled_two_hundred_times_and_a_node_seen_fifty_times_is_tested():
+    engine = ScriptedEngine(PLAN)
+    result = distribution.distribution_test(engine, TableModel(), [REQUEST])
+    (batch,) = engine.batches
+    assert [r.request_id for r in batch] == [f"q#{k}" for k in range(200)]
+    assert result.alpha == DISTRIBUTION_ALPHA and result.passed
+    assert [(t.prefix, t.num_samples) for t in result.tests] == [((), 200)]
+    result = distribution.distribution_test(ScriptedEngine(PLAN), TableModel(), [REQUEST], num_samples=50)
+    (test,) = result.tests  # {1: 25, 2: 20, 0: 5} = 50 P exactly
+    assert (test.prefix, test.num_samples, test.p_value) == ((), 50, pytest.approx(1.0))
+
+
+def test_a_sample_outside_the_support_is_rejected_at_the_given_alpha_and_num_samples_may_equal_min_count():
+    engine = ScriptedEngine([(3,), *PLAN[1:]])  # one copy in ten draws the cut token 3
+    result = distribution.distribution_test(engine, TableModel(), [REQUEST], num_samples=30, min_count=30, alpha=0.2)
+    assert result.alpha == 0.2 and [t.worst_token for t in result.rejected] == [3]
+
+
+class MustNotRun:
+    def generate(self, requests):
+        raise AssertionError("arguments are checked before anything is sampled")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"alpha": 0.0}, r"alpha must be in \(0, 1\), got 0.0"), ({"alpha": 1.0}, r"alpha must be in \(0, 1\), got 1.0"),
+     ({"alpha": 1.5}, r"alpha must be in \(0, 1\), got 1.5"),
+     ({"num_samples": 49}, r"num_samples \(49\) < min_count \(50\): nothing would be tested")],
+)  # fmt: skip
+def test_alpha_outside_the_open_unit_interval_or_fewer_samples_than_min_count_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        distribution.distribution_test(MustNotRun(), TableModel(), [REQUEST], **kwargs)
