@@ -243,3 +243,16 @@ def test_without_a_config_the_engine_holds_one_generation_batch_and_its_cache_no
     assert engine.block_manager.num_blocks == 3 * math.ceil(context / 16)
     out = rollout_func(["1+2="] * 5, trainer)
     assert len(out["completion_ids"]) == 5 and all(1 <= len(c) <= 3 for c in out["completion_ids"])
+
+
+def test_a_conversational_prompt_is_refused_naming_its_type(llama):
+    """This rollout_func tokenizes plain text; a conversational prompt (a list of messages) is refused by type."""
+    from types import SimpleNamespace
+
+    from cb_impl.trl import make_rollout_func
+
+    trainer = SimpleNamespace(temperature=1.0, max_completion_length=3, state=SimpleNamespace(global_step=0),
+                              processing_class=llama.tokenizer,
+                              accelerator=SimpleNamespace(unwrap_model=lambda m: m, process_index=0))  # fmt: skip
+    with pytest.raises(ValueError, match="takes plain-text prompts, got list"):
+        make_rollout_func(engine=RecordingOracle(llama.model))([[{"role": "user", "content": "1+2="}]], trainer)
