@@ -147,6 +147,12 @@ class LLMEngine:
             out.append(Rollout(seq.request_id, seq.prompt_ids, seq.completion_ids, seq.logprobs, seq.finish_reason))
         return out
 
+    def release_cache(self) -> None:
+        """Hand the KV cache's pages back while idle (a trainer's update can use them); the next step refills them."""
+        if self.has_unfinished():
+            raise RuntimeError("release_cache() needs an idle engine: finish or abort its requests first")
+        self.runner.cache.release()
+
     def abort_all(self) -> None:
         """Drop every unfinished request and free its blocks."""
         for seq in list(self._live.values()):

@@ -1,7 +1,7 @@
 """The paged KV cache: preallocated slots, ``num_blocks * block_size`` per layer, addressed by slot index.
 
-Slot ``b * block_size + o`` holds offset ``o`` of block ``b``. The cache is allocated once with ``torch.empty`` (no
-page is touched until written); the attention never reads a slot that was not written (see ``attention``).
+Slot ``b * block_size + o`` holds offset ``o`` of block ``b``. Allocated with ``torch.empty`` (no page is touched until
+written; ``release`` hands them back between batches); the attention never reads an unwritten slot (``attention``).
 """
 
 from __future__ import annotations
@@ -37,6 +37,10 @@ class PagedKVCache:
     @property
     def num_bytes(self) -> int:
         return 2 * self.key.numel() * self.key.element_size()
+
+    def release(self) -> None:
+        """Hand every page back while no block is in use (contents lost): fresh, untouched memory of the same shape."""
+        self.key, self.value = torch.empty_like(self.key), torch.empty_like(self.value)
 
     def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store the new tokens' keys/values: ``slot_mapping`` (T,), ``key``/``value`` (T, Hkv, D)."""

@@ -42,14 +42,8 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(
-        self,
-        block_manager: BlockManager,
-        *,
-        max_batch_tokens: int,
-        max_num_seqs: int,
-        enable_prefix_sharing: bool = True,
-    ) -> None:
+    def __init__(self, block_manager: BlockManager, *, max_batch_tokens: int, max_num_seqs: int,
+                 enable_prefix_sharing: bool = True) -> None:  # fmt: skip
         self.block_manager = block_manager
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs

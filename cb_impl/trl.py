@@ -1,17 +1,14 @@
 """A TRL ``rollout_func`` backed by one persistent :class:`LLMEngine`: ``GRPOTrainer(rollout_func=...)``.
 
-TRL 1.16 calls ``rollout_func(prompts, trainer)`` with one entry per completion (its sampler already repeats each
-prompt ``num_generations`` times, back to back) and expects ``{"prompt_ids", "completion_ids", "logprobs"}``, one
-row per entry in order. Consecutive identical prompts form a GRPO group, which the engine prefills once and shares.
-
-The engine is built on the first call (from the trainer's model unless one was given) and kept for the whole run:
-it reads the weights live at every step, so optimizer updates are seen with no weight sync. Without a ``config`` it
-holds at most the first call's batch at once, and its KV cache is sized for that many sequences (not the default
-256). ``logprobs`` are the sampler's processed log-probs (``reference.spec.Rollout``). Seeds are a function of (base
-seed, training step, row of the *global* batch): under data parallelism each process completes its slice (process
-``r`` of ``N`` holds rows ``r * B`` to ``(r + 1) * B - 1``), so no two processes share a seed, and N processes draw
-exactly what one process would for the same global batch. A rerun with the same seeds reproduces the rollouts.
-Trainer options the engine cannot honour (repetition penalty) raise.
+TRL 1.16 calls ``rollout_func(prompts, trainer)`` with one entry per completion (a GRPO group's prompts back to back,
+which the engine prefills once and shares) and expects ``{"prompt_ids", "completion_ids", "logprobs"}`` in order.
+The engine is built at the first call (from the trainer's model unless given one) and reads the weights live, so
+updates need no weight sync. Without a ``config`` it holds at most that call's batch, its KV cache sized for it;
+after each call it hands the cache's pages back for the trainer's update. ``logprobs`` are the sampler's processed
+log-probs (``reference.spec.Rollout``). Seeds are a function of (base seed, training step, row of the *global*
+batch): process ``r`` of ``N`` completes rows ``r * B`` to ``(r + 1) * B - 1``, so no two processes share a seed and
+N processes draw what one would; a rerun with the same seeds reproduces the rollouts. Trainer options the engine
+cannot honour (repetition penalty) raise.
 """
 
 from __future__ import annotations
@@ -78,6 +75,8 @@ def make_rollout_func(
             ids = tuple(tok(prompt)["input_ids"])
             requests.append(RolloutRequest(f"step{step}-row{i}", ids, sampling, row_seed(seed, step, i), eos))
         rollouts = rollout_func.engine.generate(requests)
+        if isinstance(rollout_func.engine, LLMEngine):  # idle again: the trainer's update runs in the pages given back
+            rollout_func.engine.release_cache()
         return {
             "prompt_ids": [list(r.prompt_ids) for r in rollouts],
             "completion_ids": [list(r.completion_ids) for r in rollouts],

@@ -106,3 +106,26 @@ def test_cb_generate_equals_incremental_arrivals_for_the_same_requests(llama, sh
                for a, b in zip(x.logprobs, y.logprobs, strict=True)) <= 2 * FP32.logprob_max_abs  # fmt: skip
     repro = f"incremental arrivals, sharing={sharing}"
     assert_matches_reference(model, requests, incremental, engine="cb_impl", repro=repro)
+
+
+def test_a_released_cache_is_refused_while_busy_and_gives_the_same_rollouts_in_fresh_memory(llama):
+    """``release_cache`` hands the KV cache's pages back while the engine is idle: refused while a request is queued
+    (the cache untouched), then the cache is new memory of the same shape and dtype, and the same requests give the
+    same rollouts as before the release, the reference's."""
+    model, _ = llama
+    requests = grpo_batch(num_prompts=2, group=3, max_new_tokens=12)
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=48, max_batch_tokens=16))
+    first = engine.generate(requests)
+    cache = engine.runner.cache
+    key, value = cache.key, cache.value
+    engine.add_request(requests[0])
+    with pytest.raises(RuntimeError, match="release_cache\\(\\) needs an idle engine"):
+        engine.release_cache()
+    assert cache.key is key and cache.value is value
+    engine.abort_all()
+    engine.release_cache()
+    assert cache.key is not key and cache.value is not value
+    assert (cache.key.shape, cache.key.dtype, cache.value.shape) == (key.shape, key.dtype, value.shape)
+    assert engine.generate(requests) == first
+    assert_matches_reference(model, requests, first, engine="cb_impl", repro="after release_cache")
+    assert_engine_idle_and_clean(engine)

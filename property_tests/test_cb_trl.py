@@ -224,7 +224,7 @@ def test_each_process_seeds_its_rows_of_the_global_batch(llama):
 def test_without_a_config_the_engine_holds_one_generation_batch_and_its_cache_no_more(llama):
     """The default engine admits at most the first call's batch at once (the trainer generates one batch at a time),
     so its KV cache is sized for that many full-context sequences, not the engine default's 256; a later, larger
-    batch still completes every row (the rest wait their turn)."""
+    batch still completes every row (the rest wait their turn); after each call the cache's pages are handed back."""
     import math
     from types import SimpleNamespace
 
@@ -238,11 +238,14 @@ def test_without_a_config_the_engine_holds_one_generation_batch_and_its_cache_no
     rollout_func = make_rollout_func()
     rollout_func(["1+2=", "1+2=", "3+4="], trainer)
     engine = rollout_func.engine
+    released = []
+    engine.release_cache = lambda: released.append(engine.has_unfinished())
     context = llama.model.config.max_position_embeddings
     assert engine.config.max_num_seqs == 3 and engine.config.block_size == 16
     assert engine.block_manager.num_blocks == 3 * math.ceil(context / 16)
     out = rollout_func(["1+2="] * 5, trainer)
     assert len(out["completion_ids"]) == 5 and all(1 <= len(c) <= 3 for c in out["completion_ids"])
+    assert released == [False], "after each call, idle, the engine hands its KV pages back for the trainer's update"
 
 
 def test_a_conversational_prompt_is_refused_naming_its_type(llama):
