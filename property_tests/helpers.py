@@ -1,12 +1,14 @@
-"""Assertions shared by the property tests (one way to say "matches the reference"), and the GRPO batch several
-of them run."""
+"""Assertions shared by the property tests (one way to say "matches the reference"), the GRPO batch several of them
+run, and a stand-in model whose logits are a fixed table."""
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from cbverify.compare import check_conventions, check_results, compare_tokens
 from cbverify.tolerances import FP32, Tier
@@ -87,3 +89,16 @@ def grpo_batch(num_prompts: int, group: int, max_new_tokens: int) -> list[Rollou
     return [RolloutRequest(f"p{p}-g{g}", tuple(tasks.prompt_ids(prob)), sampling, seed=1000 * p + g,
                            eos_token_ids=(tasks.EOS_ID,))
             for p, prob in enumerate(problems) for g in range(group)]  # fmt: skip
+
+
+class TableModel(torch.nn.Module):
+    """A stand-in causal LM: the logits at sequence position t are row t of a fixed (T, V) table, whatever the ids."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        super().__init__()
+        self.table = table.to(torch.float32)
+        self.anchor = torch.nn.Parameter(torch.zeros(1))  # gives the model a device
+        self.config = SimpleNamespace(get_text_config=lambda: SimpleNamespace(vocab_size=table.shape[1]))
+
+    def forward(self, input_ids):
+        return SimpleNamespace(logits=self.table[: input_ids.shape[1]].unsqueeze(0))

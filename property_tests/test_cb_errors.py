@@ -289,12 +289,10 @@ def test_the_default_config_with_a_progress_bar_and_an_idle_step_change_nothing(
 
 
 def test_the_paged_attention_refuses_a_call_outside_an_engine_step_before_and_after_one(llama):
-    """The attention function reads the step's metadata; called with none (before any step, or after one ended) it
-    must say so, not fail somewhere inside with stale or missing metadata. A fresh engine: "before any step" is
-    before its first, whichever tests ran earlier."""
+    """The attention function reads the step's metadata; called with none (before a fresh engine's first step, or
+    after one ended) it must say so, not fail somewhere inside with stale or missing metadata."""
     engine = LLMEngine(llama.model, EngineConfig(block_size=4, num_blocks=16, max_batch_tokens=32))
-    attention = engine.runner.attention
-    layer = engine.model.model.layers[0].self_attn
+    attention, layer = engine.runner.attention, engine.model.model.layers[0].self_attn
     q = torch.zeros(1, 2, 3, 8)
     for _ in range(2):
         with pytest.raises(RuntimeError, match="called outside an engine step"):

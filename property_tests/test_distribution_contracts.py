@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from collections import Counter
 from itertools import combinations
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,6 +25,7 @@ from scipy import stats
 from cbverify import distribution
 from cbverify.distribution import NodeTest, chi_square_node, holm, node_tests
 from cbverify.tolerances import DISTRIBUTION_ALPHA
+from property_tests.helpers import TableModel
 from reference.spec import Rollout, RolloutRequest, SamplingParams
 
 PROMPT = (1, 2)
@@ -33,18 +33,10 @@ P = [0.1, 0.5, 0.4]  # the processed distribution of the stand-in model at every
 SAMPLING = SamplingParams(temperature=1.0, top_k=3, max_new_tokens=3)
 
 
-class TableModel(torch.nn.Module):
+def table_model() -> TableModel:
     """A stand-in causal LM whose logits are the same row at every position: log(P) and, for token 3, a logit below
     all of them (raw probability ~0.05), so top-k 3 keeps exactly P."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.row = torch.log(torch.tensor([*P, 0.05]))  # (V,)
-        self.anchor = torch.nn.Parameter(torch.zeros(1))  # gives the model a device
-        self.config = SimpleNamespace(get_text_config=lambda: SimpleNamespace(vocab_size=4))
-
-    def forward(self, input_ids):
-        return SimpleNamespace(logits=self.row.expand(input_ids.shape[1], -1).unsqueeze(0))
+    return TableModel(torch.log(torch.tensor([*P, 0.05])).expand(16, -1))  # rows: prompt + longest prefix + 1 <= 16
 
 
 class ScriptedEngine:
@@ -152,7 +144,7 @@ def _samples(*groups) -> list[Rollout]:
 def test_nodes_seen_at_least_min_count_times_are_tested_in_order_of_position_then_prefix_with_their_report():
     # Prefixes first seen in the order (), (2,), (1,), (1, 2), (0,); (0,) is seen 5 times, (2,) exactly min_count.
     samples = _samples((25, (2, 3)), (30, (1, 2, 0)), (5, (0, 1)))
-    tests = node_tests(TableModel(), RolloutRequest("r", PROMPT, SAMPLING), samples, min_count=25)
+    tests = node_tests(table_model(), RolloutRequest("r", PROMPT, SAMPLING), samples, min_count=25)
     got = [(t.request_id, t.position, t.prefix, t.num_samples, t.worst_token, t.observed) for t in tests]
     assert got == [
         # {0: 5, 1: 30, 2: 25} vs e = [6, 30, 24]: residuals 1/sqrt(6) = 0.41, 0, 1/sqrt(24) = 0.20
@@ -168,7 +160,7 @@ def test_nodes_seen_at_least_min_count_times_are_tested_in_order_of_position_the
     want = [stats.chisquare([30, 25, 5], [30, 24, 6]).pvalue, stats.chisquare([0, 30], [15, 15]).pvalue, 0.0]
     assert [t.p_value for t in tests] == pytest.approx([want[0], want[1], 0.0, want[1]], rel=1e-5, abs=1e-300)
     with pytest.raises(ValueError, match="for sampled requests; greedy tokens are compared exactly"):
-        node_tests(TableModel(), RolloutRequest("r", PROMPT, SamplingParams(temperature=0.0)), samples, min_count=1)
+        node_tests(table_model(), RolloutRequest("r", PROMPT, SamplingParams(temperature=0.0)), samples, min_count=1)
 
 
 def _closed_bonferroni(p_values: list[float], alpha: float) -> set[int]:
@@ -201,19 +193,19 @@ REQUEST = RolloutRequest("q", PROMPT, SAMPLING, seed=5)
 
 def test_by_default_each_request_is_sampled_two_hundred_times_and_a_node_seen_fifty_times_is_tested():
     engine = ScriptedEngine(PLAN)
-    result = distribution.distribution_test(engine, TableModel(), [REQUEST])
+    result = distribution.distribution_test(engine, table_model(), [REQUEST])
     (batch,) = engine.batches
     assert [r.request_id for r in batch] == [f"q#{k}" for k in range(200)]
     assert result.alpha == DISTRIBUTION_ALPHA and result.passed
     assert [(t.prefix, t.num_samples) for t in result.tests] == [((), 200)]
-    result = distribution.distribution_test(ScriptedEngine(PLAN), TableModel(), [REQUEST], num_samples=50)
+    result = distribution.distribution_test(ScriptedEngine(PLAN), table_model(), [REQUEST], num_samples=50)
     (test,) = result.tests  # {1: 25, 2: 20, 0: 5} = 50 P exactly
     assert (test.prefix, test.num_samples, test.p_value) == ((), 50, pytest.approx(1.0))
 
 
 def test_a_sample_outside_the_support_is_rejected_at_the_given_alpha_and_num_samples_may_equal_min_count():
     engine = ScriptedEngine([(3,), *PLAN[1:]])  # one copy in ten draws the cut token 3
-    result = distribution.distribution_test(engine, TableModel(), [REQUEST], num_samples=30, min_count=30, alpha=0.2)
+    result = distribution.distribution_test(engine, table_model(), [REQUEST], num_samples=30, min_count=30, alpha=0.2)
     assert result.alpha == 0.2 and [t.worst_token for t in result.rejected] == [3]
 
 
@@ -230,4 +222,4 @@ class MustNotRun:
 )  # fmt: skip
 def test_alpha_outside_the_open_unit_interval_or_fewer_samples_than_min_count_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        distribution.distribution_test(MustNotRun(), TableModel(), [REQUEST], **kwargs)
+        distribution.distribution_test(MustNotRun(), table_model(), [REQUEST], **kwargs)

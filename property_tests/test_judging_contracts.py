@@ -10,7 +10,6 @@ for processed log-probs, the oracle's own rule), then by plain Python arithmetic
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,24 +19,12 @@ from hypothesis import strategies as st
 from cbverify import compare
 from cbverify.compare import LogprobDiff, NoisePositions
 from cbverify.tolerances import BF16, FP16, FP32, Tier
+from property_tests.helpers import TableModel
 from reference.generate import process_logits
 from reference.spec import Rollout, RolloutRequest, SamplingParams
 
 PROMPT = (1, 2)  # completion token i is predicted by table row len(PROMPT) - 1 + i
 VOCAB = 8
-
-
-class TableModel(torch.nn.Module):
-    """A stand-in causal LM: the logits at sequence position t are row t of a fixed (T, V) table, whatever the ids."""
-
-    def __init__(self, table: torch.Tensor) -> None:
-        super().__init__()
-        self.table = table.to(torch.float32)
-        self.anchor = torch.nn.Parameter(torch.zeros(1))  # gives the model a device
-        self.config = SimpleNamespace(get_text_config=lambda: SimpleNamespace(vocab_size=table.shape[1]))
-
-    def forward(self, input_ids):
-        return SimpleNamespace(logits=self.table[: input_ids.shape[1]].unsqueeze(0))
 
 
 def _table(seed: int, magnitude: float, rows: int = 8) -> torch.Tensor:
