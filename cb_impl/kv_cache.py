@@ -32,7 +32,6 @@ class PagedKVCache:
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
         self.key = torch.empty(shape, dtype=dtype, device=device)  # (L, slots, Hkv, D)
         self.value = torch.empty(shape, dtype=dtype, device=device)  # (L, slots, Hkv, D)
-        self._offsets = torch.arange(block_size, device=device)  # (bs,)
 
     @property
     def num_bytes(self) -> int:
@@ -51,11 +50,10 @@ class PagedKVCache:
         """Copy whole blocks (``src -> dst``) in every layer: the copy-on-write of a shared, partly filled block."""
         if not copies:
             return
-        src = torch.tensor([s for s, _ in copies], device=self._offsets.device)[:, None] * self.block_size
-        dst = torch.tensor([d for _, d in copies], device=self._offsets.device)[:, None] * self.block_size
-        src, dst = (src + self._offsets).flatten(), (dst + self._offsets).flatten()  # (C * bs,)
-        self.key[:, dst] = self.key[:, src]
-        self.value[:, dst] = self.value[:, src]
+        src, dst = (torch.tensor(ids, device=self.key.device) for ids in zip(*copies))  # (C,) each
+        for cache in (self.key, self.value):
+            blocks = cache.view(cache.shape[0], self.num_blocks, -1)  # (L, blocks, block_size * Hkv * D)
+            blocks.index_copy_(1, dst, blocks.index_select(1, src))
 
 
 def bytes_per_block(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

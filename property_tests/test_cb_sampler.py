@@ -10,7 +10,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from cb_impl.noise import fast_bits_to_gumbel, fast_noise_bits, gumbel_race, gumbel_upper_bound, seed_key, step_keys
-from cb_impl.sampler import SamplingBatch, build_sampling_batch, process_logits, sample, sampling_row
+from cb_impl.sampler import SAMPLE_BUDGET, SamplingBatch, build_sampling_batch, process_logits, sample, sampling_row
 from cbverify.tolerances import FP32, SAME_LOGITS_ATOL
 from property_tests.strategies import logits_batches, positions, sampling_params, seeds
 from reference.generate import choose_token
@@ -30,8 +30,9 @@ def _batch(params: list[SamplingParams], row_seeds: list[int]) -> SamplingBatch:
     return build_sampling_batch(rows, torch.device("cpu"))
 
 
-def _sample(logits: torch.Tensor, params: list[SamplingParams], row_seeds: list[int], row_positions: list[int]):
-    return sample(logits, _batch(params, row_seeds), torch.tensor(row_positions))
+def _sample(logits: torch.Tensor, params: list[SamplingParams], row_seeds: list[int], row_positions: list[int],
+            budget: int = SAMPLE_BUDGET):  # fmt: skip
+    return sample(logits, _batch(params, row_seeds), torch.tensor(row_positions), budget)
 
 
 def _race(processed: torch.Tensor, b: SamplingBatch, row_positions: list[int]) -> torch.Tensor:
@@ -74,7 +75,8 @@ def test_cb_sampler_matches_the_reference_rule_row_by_row(logits, data):
     """Same tokens (or a near-tie of the reference's decision score) and log-probs within ``SAME_LOGITS_ATOL``, per
     row, whatever the mix of greedy and sampled rows and parameters in the batch."""
     params, seeds, positions = _rows(data.draw, logits.shape[0])
-    tokens, logprobs = _sample(logits, params, seeds, positions)
+    budget = data.draw(st.sampled_from([SAMPLE_BUDGET, 1, 2 * logits.shape[1]]), label="budget")  # 1: row by row
+    tokens, logprobs = _sample(logits, params, seeds, positions, budget)
     for r, (p, seed, pos) in enumerate(zip(params, seeds, positions, strict=True)):
         ref_token, ref_logprob = choose_token(logits[r], p, seed, pos)
         if int(tokens[r]) != ref_token:
@@ -82,6 +84,16 @@ def test_cb_sampler_matches_the_reference_rule_row_by_row(logits, data):
             assert gap <= FP32.near_tie_gap, (r, p, int(tokens[r]), ref_token, gap)
             continue
         assert abs(float(logprobs[r]) - ref_logprob) <= SAME_LOGITS_ATOL, (r, p, float(logprobs[r]), ref_logprob)
+
+
+@given(logits=logits_batches(), data=st.data())
+def test_cb_sampling_rows_in_slices_gives_the_same_bits_as_all_rows_at_once(logits, data):
+    """Rows are independent: sampling them a slice at a time (``budget`` logits per slice) changes no bit."""
+    params, seeds, positions = _rows(data.draw, logits.shape[0])
+    budget = data.draw(st.integers(1, logits.numel()), label="budget")
+    whole = _sample(logits, params, seeds, positions, budget=logits.numel())
+    sliced = _sample(logits, params, seeds, positions, budget)
+    assert all(torch.equal(a, b) for a, b in zip(whole, sliced, strict=True)), (whole, sliced)
 
 
 @given(logits=logits_batches(max_rows=4), data=st.data())
