@@ -65,15 +65,23 @@ class StepMetadata:
     num_padded_pairs: int  # query-key pairs computed (padding included)
 
 
-def build_group(starts: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tensor, tables: torch.Tensor,
-                block_size: int, q_max: int, l_max: int, all_full: bool) -> AttentionGroup:  # fmt: skip
+def slot_grid(tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Block tables (S, W) -> each position's cache slot (S, W * block_size): position ``p`` of sequence ``s`` lives
+    in slot ``grid[s, p]``."""
+    offsets = torch.arange(block_size, device=tables.device)  # (bs,)
+    return (tables[:, :, None] * block_size + offsets).flatten(1)
+
+
+def build_group(starts: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tensor, grid: torch.Tensor, q_max: int,
+                l_max: int, all_full: bool) -> AttentionGroup:  # fmt: skip
     """Attention group for S sequences whose chunks begin at position ``starts`` (S,), have ``lengths`` new tokens, sit
-    at row ``offsets`` of the packed batch and have block ``tables`` (S, W); host ``q_max = max(lengths)``, ``l_max =
-    max(starts + lengths)`` (at most ``W * block_size``) and ``all_full`` (every sequence ends at ``l_max``)."""
+    at row ``offsets`` of the packed batch and keep position ``p`` in slot ``grid[s, p]`` (:func:`slot_grid`); host
+    ``q_max = max(lengths)``, ``l_max = max(starts + lengths)`` (at most the grid's width) and ``all_full`` (every
+    sequence ends at ``l_max``)."""
     device = starts.device
     k = torch.arange(l_max, device=device)  # (L,)
     k_valid = k[None, :] < (starts + lengths)[:, None]  # (S, L)
-    slots = (tables[:, :, None] * block_size + torch.arange(block_size, device=device)).flatten(1)[:, :l_max]  # (S, L)
+    slots = grid[:, :l_max]  # (S, L)
     kv_slots = torch.where(k_valid, slots, slots[:, :1])  # (S, L) padding -> the sequence's own position 0
     if q_max == 1:  # one query per sequence, at position start: it sees exactly the valid keys
         mask = None if all_full else k_valid[:, None, None, :]  # (S, 1, 1, L)

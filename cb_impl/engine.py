@@ -48,8 +48,8 @@ class LLMEngine:
                                    max_num_seqs=self.config.max_num_seqs,
                                    enable_prefix_sharing=self.config.enable_prefix_sharing)  # fmt: skip
         self._next_seq_id = 0
-        self._sampled_seqs: list[Sequence] = []  # the last step's sampled sequences and their sampling constants
-        self._sampling = build_sampling_batch([], torch.device("cpu"))
+        self._sampled_seqs: list[Sequence] = []  # the last step's sampled sequences, their sampling constants and
+        self._sampling, self._positions = build_sampling_batch([], torch.device("cpu")), torch.zeros(0)  # positions
         self._live: dict[str, Sequence] = {}
         names = ("num_steps", "num_requests", "num_forward_tokens", "num_prefill_tokens", "num_decode_tokens",
                  "num_generated_tokens", "num_failed_requests", "num_partial_prefills")  # fmt: skip
@@ -115,10 +115,12 @@ class LLMEngine:
                 logits = self.runner.run(batch)  # (R, V)
             t2 = time.perf_counter()
             seqs = batch.samples
-            if seqs != self._sampled_seqs:  # the sampling constants change with the sampled requests only
+            if seqs and seqs == self._sampled_seqs:  # the last step's requests, each one completion token further
+                positions = self._positions + 1
+            else:  # the sampling constants change with the sampled requests only
                 self._sampling = build_sampling_batch([s.sampler_row for s in seqs], logits.device)
-                self._sampled_seqs = seqs
-            positions = int64_tensor([s.num_completion_tokens for s in seqs], logits.device)  # (R,)
+                positions = int64_tensor([s.num_completion_tokens for s in seqs], logits.device)  # (R,)
+            self._sampled_seqs, self._positions = seqs, positions
             tokens, logprobs = sample(logits, self._sampling, positions)
             tokens, logprobs = tokens.tolist(), logprobs.tolist()  # host: one copy of each
         except Exception as err:

@@ -50,7 +50,7 @@ class PagedKVCache:
         """Copy whole blocks (``src -> dst``) in every layer: the copy-on-write of a shared, partly filled block."""
         if not copies:
             return
-        src, dst = (torch.tensor(ids, device=self.key.device) for ids in zip(*copies))  # (C,) each
+        src, dst = (torch.tensor(ids, device=self.key.device) for ids in zip(*copies, strict=True))  # (C,)
         for cache in (self.key, self.value):
             blocks = cache.view(cache.shape[0], self.num_blocks, -1)  # (L, blocks, block_size * Hkv * D)
             blocks.index_copy_(1, dst, blocks.index_select(1, src))

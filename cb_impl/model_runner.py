@@ -12,7 +12,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from cb_impl.attention import PagedAttention, StepMetadata, build_group
+from cb_impl.attention import PagedAttention, StepMetadata, build_group, slot_grid
 from cb_impl.config import EngineConfig
 from cb_impl.kv_cache import PagedKVCache, bytes_per_block, plan_num_blocks
 from cb_impl.scheduler import ScheduledBatch
@@ -23,6 +23,9 @@ def int64_tensor(values: Iterable[int], device: torch.device) -> torch.Tensor:
     """A host list of ints -> int64 tensor on ``device``, through a buffer (several times faster than torch.tensor)."""
     buf = array("q", values)
     return torch.frombuffer(buf, dtype=torch.int64).to(device) if buf else torch.zeros(0, dtype=torch.int64).to(device)
+
+
+StepInputs = tuple[torch.Tensor, torch.Tensor, StepMetadata, torch.Tensor]  # ids, positions, metadata, last rows
 
 
 class ModelRunner:
@@ -53,6 +56,7 @@ class ModelRunner:
         self.attention._targets(model)  # a model that refuses a custom attention fails here, not at the first step
         self._depth = 0
         self.num_pairs = self.num_padded_pairs = 0
+        self._decodes: tuple | None = None  # the last step if it decoded only: (chunks, starts, grid, l_max, all_full)
 
     @contextmanager
     def attached(self) -> Iterator[None]:
@@ -64,12 +68,18 @@ class ModelRunner:
             finally:
                 self._depth -= 1
 
-    def _metadata(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, StepMetadata, torch.Tensor]:
-        """Input ids (1, T), positions (1, T), the attention metadata and each chunk's last packed row (C,)."""
-        bs, dev = self.block_size, self.device
+    def _metadata(self, batch: ScheduledBatch) -> StepInputs:
+        """Input ids (1, T), positions (1, T), the attention metadata and each chunk's last packed row (C,). A step
+        that decodes the same chunks as the last step, itself decodes only, with no block table changed in between
+        advances that step's tensors one position instead of rebuilding them from the sequences."""
+        bs, dev, chunks = self.block_size, self.device, batch.chunks
+        last, self._decodes = self._decodes, None
+        if last is not None and not batch.tables_changed and chunks == last[0]:  # each one token further, same blocks
+            ids = array("q", [seq.token_ids[seq.num_computed_tokens] for seq, _ in chunks])
+            return self._decode_metadata(chunks, ids, last[1] + 1, last[2], last[3] + 1, last[4])
         ids, starts, lengths, tables = array("q"), array("q"), array("q"), array("q")
-        pad = [0] * max(len(seq.block_table) for seq, _ in batch.chunks)
-        for seq, n in batch.chunks:  # the one per-sequence loop: host arrays, turned into tensors below
+        pad = [0] * max(len(seq.block_table) for seq, _ in chunks)
+        for seq, n in chunks:  # the one per-sequence loop: host arrays, turned into tensors below
             start, table = seq.num_computed_tokens, seq.block_table
             if n == 1:
                 ids.append(seq.token_ids[start])
@@ -82,15 +92,12 @@ class ModelRunner:
                 tables.extend(pad[len(table) :])
         num_chunks, num_tokens = len(starts), len(ids)
         starts_t, lengths_t = int64_tensor(starts, dev), int64_tensor(lengths, dev)  # (C,)
-        tables_t = int64_tensor(tables, dev).view(num_chunks, len(pad))  # (C, W)
+        grid = slot_grid(int64_tensor(tables, dev).view(num_chunks, len(pad)), bs)  # (C, W * bs)
         if num_tokens == num_chunks:  # decodes only: one token per chunk
-            offsets_t, positions = torch.arange(num_chunks, device=dev), starts_t  # (C,), (T,)
-            chunk_of = offsets_t
-        else:
-            offsets_t = lengths_t.cumsum(0) - lengths_t  # (C,)
-            chunk_of = torch.repeat_interleave(torch.arange(num_chunks, device=dev), lengths_t, output_size=num_tokens)
-            positions = starts_t[chunk_of] + torch.arange(num_tokens, device=dev) - offsets_t[chunk_of]  # (T,)
-        slot_mapping = tables_t[chunk_of, positions // bs] * bs + positions % bs  # (T,)
+            return self._decode_metadata(chunks, ids, starts_t, grid, max(starts) + 1, min(starts) == max(starts))
+        offsets_t = lengths_t.cumsum(0) - lengths_t  # (C,)
+        chunk_of = torch.repeat_interleave(torch.arange(num_chunks, device=dev), lengths_t, output_size=num_tokens)
+        positions = starts_t[chunk_of] + torch.arange(num_tokens, device=dev) - offsets_t[chunk_of]  # (T,)
         groups = []
         decodes = [c for c, n in enumerate(lengths) if n == 1]
         for members in (decodes, [c for c, n in enumerate(lengths) if n > 1]):
@@ -99,12 +106,22 @@ class ModelRunner:
             ends = [starts[c] + lengths[c] for c in members]
             q_max, l_max = max(lengths[c] for c in members), max(ends)
             sel = slice(None) if len(members) == num_chunks else int64_tensor(members, dev)
-            groups.append(build_group(starts_t[sel], lengths_t[sel], offsets_t[sel], tables_t[sel], bs, q_max, l_max,
+            groups.append(build_group(starts_t[sel], lengths_t[sel], offsets_t[sel], grid[sel], q_max, l_max,
                                       min(ends) == l_max))  # fmt: skip
         padded = sum(int(g.q_index.numel()) * int(g.kv_slots.shape[1]) for g in groups)
         pairs = (lengths_t * (2 * starts_t + lengths_t + 1)).sum() // 2  # a device scalar: no sync for a statistic
-        meta = StepMetadata(slot_mapping, tuple(groups), pairs, padded)
+        meta = StepMetadata(grid[chunk_of, positions], tuple(groups), pairs, padded)
         return int64_tensor(ids, dev)[None], positions[None], meta, offsets_t + lengths_t - 1
+
+    def _decode_metadata(self, chunks: list, ids: array, starts: torch.Tensor, grid: torch.Tensor, l_max: int,
+                         all_full: bool) -> StepInputs:  # fmt: skip
+        """Decodes only: chunk c is packed row c, its one token at position ``starts[c]`` (C,), in slot ``grid[c,
+        starts[c]]``; ``l_max`` / ``all_full``: the longest sequence after the step / every sequence that long."""
+        rows = torch.arange(len(chunks), device=self.device)  # (C,)
+        group = build_group(starts, torch.ones_like(starts), rows, grid, 1, l_max, all_full)
+        meta = StepMetadata(grid[rows, starts], (group,), (starts + 1).sum(), len(chunks) * l_max)
+        self._decodes = (chunks, starts, grid, l_max, all_full)
+        return int64_tensor(ids, self.device)[None], starts[None], meta, rows
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """One forward over the batch; returns float logits (R, V), row r for ``batch.samples[r]``."""

@@ -54,9 +54,10 @@ class SamplingBatch:
     any_min_p: bool
 
     def rows(self, sl: slice) -> SamplingBatch:
-        """The sampled rows ``sl`` (the host flags stay the whole batch's: a row with its processor off ignores them)."""
+        """The sampled rows ``sl`` (the host flags stay the batch's: a row with its processor off ignores them)."""
         return replace(self, temperature=self.temperature[sl], top_k=self.top_k[sl],
-                       top_p_threshold=self.top_p_threshold[sl], min_p=self.min_p[sl], seed_keys=self.seed_keys[sl])
+                       top_p_threshold=self.top_p_threshold[sl], min_p=self.min_p[sl],
+                       seed_keys=self.seed_keys[sl])  # fmt: skip
 
 
 def build_sampling_batch(rows: Sequence[SamplingRow], device: torch.device) -> SamplingBatch:

@@ -39,6 +39,7 @@ class ScheduledBatch:
     num_decode_tokens: int = 0
     num_partial_prefills: int = 0
     forks: bool = False  # some sampling sequence is a follower, forked from its parent after the forward
+    tables_changed: bool = False  # a running table grew or copied a block (admissions, preemptions: new chunks)
 
 
 class Scheduler:
@@ -85,6 +86,7 @@ class Scheduler:
                 break  # it preempted itself: everything after it is gone too
             if cost:  # new blocks, or a copy of a shared block before writing into it
                 batch.copies += bm.may_append(seq, num_new)
+                batch.tables_changed = True
             self._add_chunk(batch, seq, num_new)
             budget -= num_new
         if not preempted:

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cb_impl.attention import GATHER_BUDGET, build_group, explicit_attention
+from cb_impl.attention import GATHER_BUDGET, build_group, explicit_attention, slot_grid
 from cb_impl.config import EngineConfig
 from cb_impl.engine import LLMEngine
 from cbverify.zoo import architectures as zoo
@@ -88,8 +88,9 @@ def test_a_group_masks_exactly_the_causal_window_of_each_query(chunks, window):
     all_full = all(a + n == l_max for a, n in zip(starts, lengths, strict=True))
     bs, width = 3, -(-l_max // 3)
     tables = [[(5 * s + 2 * j + 1) % 97 for j in range(width)] for s in range(len(chunks))]  # distinct, unordered
-    group = build_group(torch.tensor(starts), torch.tensor(lengths), torch.tensor(offsets), torch.tensor(tables), bs,
-                        q_max, l_max, all_full)  # fmt: skip
+    grid = slot_grid(torch.tensor(tables), bs)
+    group = build_group(torch.tensor(starts), torch.tensor(lengths), torch.tensor(offsets), grid, q_max, l_max,
+                        all_full)  # fmt: skip
     for s, (start, n) in enumerate(chunks):  # a key column's slot; padding columns read the sequence's position 0
         want = [tables[s][p // bs] * bs + p % bs if p < start + n else tables[s][0] * bs for p in range(l_max)]
         assert group.kv_slots[s].tolist() == want, (s, group.kv_slots[s])

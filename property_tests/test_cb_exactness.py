@@ -60,6 +60,58 @@ def test_cb_matches_reference_for_any_batch_arrival_chunking_sharing_and_memory_
     assert_engine_idle_and_clean(engine)
 
 
+def _assert_same(got: object, want: object, where: str) -> None:
+    """Step inputs (tensors, groups of tensors, counts) equal field by field."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and torch.equal(got, want), (where, got, want)
+    elif isinstance(want, tuple | list) or hasattr(want, "__slots__"):
+        fields = [getattr(want, f) for f in want.__slots__] if hasattr(want, "__slots__") else want
+        other = [getattr(got, f) for f in want.__slots__] if hasattr(want, "__slots__") else got
+        assert len(other) == len(fields), (where, got, want)
+        for i, (g, w) in enumerate(zip(other, fields, strict=True)):
+            _assert_same(g, w, f"{where}.{i}")
+    else:
+        assert got == want, (where, got, want)
+
+
+def run_checking_reused_metadata(engine: LLMEngine, requests: list, order: list[int], steps: list[int]) -> int:
+    """Run, and at every step rebuild the metadata from the sequences beside the engine's own (which a decode step
+    advances from the last one): both must be equal. Returns how many steps advanced the last step's."""
+    runner, reused = engine.runner, [0]
+    build = runner._metadata
+
+    def checked(batch):
+        last = runner._decodes
+        got = build(batch)
+        kept, runner._decodes = runner._decodes, None
+        want = build(batch)  # from the sequences alone
+        runner._decodes = kept
+        reused[0] += last is not None and not batch.tables_changed and batch.chunks == last[0]
+        _assert_same(got, want, "step inputs")
+        return got
+
+    runner._metadata = checked
+    run_with_arrivals(engine, requests, order, steps)
+    return reused[0]
+
+
+@given(data=st.data())
+def test_a_decode_step_that_advances_the_last_steps_metadata_equals_one_rebuilt_from_the_sequences(llama, data):
+    model, _ = llama
+    requests = data.draw(rollout_requests(max_requests=3, max_prompt_len=16, max_new_tokens=(1, 24),
+                                          group_size=(1, 3)), label="requests")  # fmt: skip
+    config, order, steps = data.draw(cb_arrival_plans(requests=requests), label="plan")
+    run_checking_reused_metadata(LLMEngine(model, EngineConfig(**config)), requests, order, steps)
+
+
+def test_decode_steps_of_grpo_groups_advance_the_last_steps_metadata_and_equal_a_rebuild(llama):
+    model, _ = llama
+    requests = grpo_batch(num_prompts=2, group=3, max_new_tokens=24)
+    engine = LLMEngine(model, EngineConfig(block_size=4))
+    reused = run_checking_reused_metadata(engine, requests, list(range(len(requests))), [0] * len(requests))
+    assert 0 < reused < engine.stats["num_steps"], (reused, engine.stats["num_steps"])  # both paths ran
+
+
 def test_cb_preempts_shares_prompts_and_copies_on_write_without_changing_any_rollout(llama):
     """A tight cache with GRPO groups: the run must really preempt, share and copy on write, and stay exact."""
     model, _ = llama
