@@ -135,17 +135,10 @@ class PagedAttention:
         self.name = f"cb_impl_paged_{next(self._ids)}"
         AttentionInterface.register(self.name, self.__call__)
 
-    def __call__(
-        self,
-        module: torch.nn.Module,
-        query: torch.Tensor,  # (1, Hq, T, D)
-        key: torch.Tensor,  # (1, Hkv, T, D)
-        value: torch.Tensor,  # (1, Hkv, T, D)
-        attention_mask: torch.Tensor | None,
-        scaling: float | None = None,
-        dropout: float = 0.0,
-        **kwargs: object,
-    ) -> tuple[torch.Tensor, None]:
+    def __call__(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                 **kwargs: object) -> tuple[torch.Tensor, None]:  # fmt: skip
+        """The packed step's query (1, Hq, T, D), key and value (1, Hkv, T, D) -> attention output (1, T, Hq, D)."""
         meta = self.metadata
         if meta is None:
             raise RuntimeError(f"{self.name} called outside an engine step (model not attached to the engine)")

@@ -98,17 +98,15 @@ class BlockManager:
         if self.append_cost(seq, num_new_tokens) > len(self.free_block_ids):
             raise RuntimeError(f"sequence {seq.request_id!r}: not enough free blocks to append")
         copies: list[tuple[int, int]] = []
-        start = seq.num_computed_tokens
-        first = start // self.block_size
-        if start % self.block_size and first < len(seq.block_table) and self.ref_counts[seq.block_table[first]] > 1:
-            src = seq.block_table[first]
-            dst = self._take()
+        start, table, bs = seq.num_computed_tokens, seq.block_table, self.block_size
+        first = start // bs
+        if start % bs and first < len(table) and self.ref_counts[table[first]] > 1:
+            src, dst = table[first], self._take()
             self._release(src)
-            seq.block_table[first] = dst
+            table[first] = dst
             copies.append((src, dst))
             self.num_cow_copies += 1
-        needed = blocks_for(start + num_new_tokens, self.block_size) - len(seq.block_table)
-        seq.block_table.extend(self._take() for _ in range(max(0, needed)))
+        table.extend(self._take() for _ in range(max(0, blocks_for(start + num_new_tokens, bs) - len(table))))
         return copies
 
     # --- checking ------------------------------------------------------------------------------------------------

@@ -35,16 +35,13 @@ class EngineConfig:
     float64_attention: bool = False
 
     def __post_init__(self) -> None:
-        def positive_int(name: str, value: object) -> None:
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        optional = ("num_blocks", "max_model_len")  # None = sized from memory / the model config
+        for name in ("block_size", "max_batch_tokens", "max_num_seqs", *optional):
+            value = getattr(self, name)
+            if (value is not None or name not in optional) and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1
+            ):
                 raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {value!r}")
-
-        positive_int("block_size", self.block_size)
-        positive_int("max_batch_tokens", self.max_batch_tokens)
-        positive_int("max_num_seqs", self.max_num_seqs)
-        for name in ("num_blocks", "max_model_len"):  # None = sized from memory / the model config
-            if getattr(self, name) is not None:
-                positive_int(name, getattr(self, name))
         fraction = self.max_memory_fraction
         if not (isinstance(fraction, (int, float)) and math.isfinite(fraction) and 0.0 < fraction <= 1.0):
             raise ValueError(f"EngineConfig.max_memory_fraction must be in (0, 1], got {fraction!r}")

@@ -140,14 +140,11 @@ class LLMEngine:
         c["num_partial_prefills"] += batch.num_partial_prefills
         c["num_prefill_tokens"] = c["num_forward_tokens"] - c["num_decode_tokens"]
         c["num_generated_tokens"] += len(tokens)
-        self._timers["schedule_s"] += t1 - t0
-        self._timers["model_s"] += t2 - t1
-        self._timers["sample_s"] += time.perf_counter() - t2
-        out = []
+        for name, seconds in zip(self._timers, (t1 - t0, t2 - t1, time.perf_counter() - t2), strict=True):
+            self._timers[name] += seconds
         for seq in finished:
             del self._live[seq.request_id]
-            out.append(Rollout(seq.request_id, seq.prompt_ids, seq.completion_ids, seq.logprobs, seq.finish_reason))
-        return out
+        return [Rollout(s.request_id, s.prompt_ids, s.completion_ids, s.logprobs, s.finish_reason) for s in finished]
 
     def release_cache(self) -> None:
         """Hand the KV cache's pages back while idle (a trainer's update can use them); the next step refills them."""
@@ -186,16 +183,10 @@ class LLMEngine:
     def stats(self) -> dict[str, float | int]:
         """Counters since construction: steps, tokens, chunked (partial) prefills, preemptions, sharing, attention
         padding, KV-cache size."""
-        r = self.runner
-        return {
-            **self._counters,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_shared_prefills": self.scheduler.num_forks,
-            "num_cow_copies": self.block_manager.num_cow_copies,
-            "attention_padding_waste": 1.0 - float(r.num_pairs) / r.num_padded_pairs if r.num_padded_pairs else 0.0,
-            "kv_cache_bytes": r.cache.num_bytes,
-            "num_blocks": self.block_manager.num_blocks,
-            "block_size": self.config.block_size,
-            "peak_used_blocks": self.block_manager.peak_used_blocks,
-            **{k: round(v, 6) for k, v in self._timers.items()},
-        }
+        r, bm = self.runner, self.block_manager
+        waste = 1.0 - float(r.num_pairs) / r.num_padded_pairs if r.num_padded_pairs else 0.0
+        return {**self._counters, "num_preemptions": self.scheduler.num_preemptions,
+                "num_shared_prefills": self.scheduler.num_forks, "num_cow_copies": bm.num_cow_copies,
+                "attention_padding_waste": waste, "kv_cache_bytes": r.cache.num_bytes, "num_blocks": bm.num_blocks,
+                "block_size": self.config.block_size, "peak_used_blocks": bm.peak_used_blocks,
+                **{k: round(v, 6) for k, v in self._timers.items()}}  # fmt: skip

@@ -77,8 +77,6 @@ def plan_num_blocks(config: EngineConfig, *, block_bytes: int, max_model_len: in
     useful = config.max_num_seqs * math.ceil(max_model_len / config.block_size)
     num_blocks = min(by_memory, useful)
     if num_blocks < 1:
-        raise ValueError(
-            f"max_memory_fraction={config.max_memory_fraction} of free memory holds no KV-cache block "
-            f"({block_bytes} bytes each): raise it or set num_blocks"
-        )
+        raise ValueError(f"max_memory_fraction={config.max_memory_fraction} of free memory holds no KV-cache block "
+                         f"({block_bytes} bytes each): raise it or set num_blocks")  # fmt: skip
     return num_blocks

@@ -25,9 +25,6 @@ def int64_tensor(values: Iterable[int], device: torch.device) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.int64).to(device) if buf else torch.zeros(0, dtype=torch.int64).to(device)
 
 
-StepInputs = tuple[torch.Tensor, torch.Tensor, StepMetadata, torch.Tensor]  # ids, positions, metadata, last rows
-
-
 class ModelRunner:
     """Owns the KV cache and the attention registration for one model; ``run(batch)`` returns sampling logits."""
 
@@ -68,7 +65,7 @@ class ModelRunner:
             finally:
                 self._depth -= 1
 
-    def _metadata(self, batch: ScheduledBatch) -> StepInputs:
+    def _metadata(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, StepMetadata, torch.Tensor]:
         """Input ids (1, T), positions (1, T), the attention metadata and each chunk's last packed row (C,). A step
         that decodes the same chunks as the last step, itself decodes only, with no block table changed in between
         advances that step's tensors one position instead of rebuilding them from the sequences."""
@@ -81,15 +78,11 @@ class ModelRunner:
         pad = [0] * max(len(seq.block_table) for seq, _ in chunks)
         for seq, n in chunks:  # the one per-sequence loop: host arrays, turned into tensors below
             start, table = seq.num_computed_tokens, seq.block_table
-            if n == 1:
-                ids.append(seq.token_ids[start])
-            else:
-                ids.extend(seq.token_ids[start : start + n])
+            ids.extend(seq.token_ids[start : start + n])
             starts.append(start)
             lengths.append(n)
             tables.extend(table)
-            if len(table) < len(pad):
-                tables.extend(pad[len(table) :])
+            tables.extend(pad[len(table) :])
         num_chunks, num_tokens = len(starts), len(ids)
         starts_t, lengths_t = int64_tensor(starts, dev), int64_tensor(lengths, dev)  # (C,)
         grid = slot_grid(int64_tensor(tables, dev).view(num_chunks, len(pad)), bs)  # (C, W * bs)
@@ -99,8 +92,7 @@ class ModelRunner:
         chunk_of = torch.repeat_interleave(torch.arange(num_chunks, device=dev), lengths_t, output_size=num_tokens)
         positions = starts_t[chunk_of] + torch.arange(num_tokens, device=dev) - offsets_t[chunk_of]  # (T,)
         groups = []
-        decodes = [c for c, n in enumerate(lengths) if n == 1]
-        for members in (decodes, [c for c, n in enumerate(lengths) if n > 1]):
+        for members in ([c for c, n in enumerate(lengths) if n == 1], [c for c, n in enumerate(lengths) if n > 1]):
             if not members:
                 continue
             ends = [starts[c] + lengths[c] for c in members]
@@ -114,7 +106,7 @@ class ModelRunner:
         return int64_tensor(ids, dev)[None], positions[None], meta, offsets_t + lengths_t - 1
 
     def _decode_metadata(self, chunks: list, ids: array, starts: torch.Tensor, grid: torch.Tensor, l_max: int,
-                         all_full: bool) -> StepInputs:  # fmt: skip
+                         all_full: bool) -> tuple[torch.Tensor, torch.Tensor, StepMetadata, torch.Tensor]:  # fmt: skip
         """Decodes only: chunk c is packed row c, its one token at position ``starts[c]`` (C,), in slot ``grid[c,
         starts[c]]``; ``l_max`` / ``all_full``: the longest sequence after the step / every sequence that long."""
         rows = torch.arange(len(chunks), device=self.device)  # (C,)

@@ -91,7 +91,6 @@ class Sequence:
         return self.finish_reason is not None
 
     def __repr__(self) -> str:
-        return (
-            f"Sequence(id={self.seq_id}, {self.status.value}, tokens={self.num_prompt_tokens}+"
-            f"{self.num_completion_tokens}, computed={self.num_computed_tokens}, blocks={self.block_table})"
-        )
+        return (f"Sequence(id={self.seq_id}, {self.status.value}, tokens={self.num_prompt_tokens}+"
+                f"{self.num_completion_tokens}, computed={self.num_computed_tokens}, "
+                f"blocks={self.block_table})")  # fmt: skip

@@ -32,13 +32,11 @@ def trainer_sampling(trainer: Any) -> SamplingParams:
         raise ValueError(f"this rollout_func cannot apply repetition_penalty={penalty}")
     do_sample = getattr(getattr(trainer, "generation_config", None), "do_sample", True)
     top_p = getattr(trainer, "top_p", None)
-    return SamplingParams(
-        temperature=float(trainer.temperature) if do_sample else 0.0,
-        top_k=int(getattr(trainer, "top_k", None) or 0),
-        top_p=float(top_p) if top_p is not None else 1.0,
-        min_p=float(getattr(trainer, "min_p", None) or 0.0),
-        max_new_tokens=int(trainer.max_completion_length),
-    )
+    return SamplingParams(temperature=float(trainer.temperature) if do_sample else 0.0,
+                          top_k=int(getattr(trainer, "top_k", None) or 0),
+                          top_p=float(top_p) if top_p is not None else 1.0,
+                          min_p=float(getattr(trainer, "min_p", None) or 0.0),
+                          max_new_tokens=int(trainer.max_completion_length))  # fmt: skip
 
 
 def row_seed(base_seed: int, step: int, row: int) -> int:
@@ -77,11 +75,7 @@ def make_rollout_func(
         rollouts = rollout_func.engine.generate(requests)
         if isinstance(rollout_func.engine, LLMEngine):  # idle again: the trainer's update runs in the pages given back
             rollout_func.engine.release_cache()
-        return {
-            "prompt_ids": [list(r.prompt_ids) for r in rollouts],
-            "completion_ids": [list(r.completion_ids) for r in rollouts],
-            "logprobs": [list(r.logprobs) for r in rollouts],
-        }
+        return {key: [list(getattr(r, key)) for r in rollouts] for key in ("prompt_ids", "completion_ids", "logprobs")}
 
     rollout_func.engine = engine
     return rollout_func
