@@ -51,8 +51,7 @@ class ModelRunner:
                                   device=self.device)  # fmt: skip
         self.attention = PagedAttention(self.cache, torch.float64 if config.float64_attention else None)
         self.attention._targets(model)  # a model that refuses a custom attention fails here, not at the first step
-        self._depth = 0
-        self.num_pairs = self.num_padded_pairs = 0
+        self._depth = self.num_pairs = self.num_padded_pairs = 0
         self._decodes: tuple | None = None  # the last step if it decoded only: (chunks, starts, grid, l_max, all_full)
 
     @contextmanager
@@ -107,8 +106,7 @@ class ModelRunner:
 
     def _decode_metadata(self, chunks: list, ids: array, starts: torch.Tensor, grid: torch.Tensor, l_max: int,
                          all_full: bool) -> tuple[torch.Tensor, torch.Tensor, StepMetadata, torch.Tensor]:  # fmt: skip
-        """Decodes only: chunk c is packed row c, its one token at position ``starts[c]`` (C,), in slot ``grid[c,
-        starts[c]]``; ``l_max`` / ``all_full``: the longest sequence after the step / every sequence that long."""
+        """Decodes only: chunk c is row c, its token at ``starts[c]``; ``l_max`` / ``all_full`` as in build_group."""
         rows = torch.arange(len(chunks), device=self.device)  # (C,)
         group = build_group(starts, torch.ones_like(starts), rows, grid, 1, l_max, all_full)
         meta = StepMetadata(grid[rows, starts], (group,), (starts + 1).sum(), len(chunks) * l_max)

@@ -66,16 +66,19 @@ class Scheduler:
     # --- scheduling --------------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        bm = self.block_manager
-        budget = self.max_batch_tokens
-        preempted = False
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        bm, budget, preempted, i = self.block_manager, self.max_batch_tokens, False, 0
+        running, refs, bs = self.running, bm.ref_counts, bm.block_size
+        while i < len(running) and budget > 0:
+            seq = running[i]
             i += 1
             if seq.parent is not None:  # a follower waits for its parent's prefill
                 continue
-            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)  # 1 for a decode
+            start = seq.num_computed_tokens
+            num_new = min(len(seq.token_ids) - start, budget)  # 1 for a decode
+            if num_new == 1 and start % bs and refs[seq.block_table[start // bs]] == 1:
+                self._add_chunk(batch, seq, 1)  # inside its own partly filled block: nothing to allocate or copy
+                budget -= 1
+                continue
             while (cost := bm.append_cost(seq, num_new)) > len(bm.free_block_ids):
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -115,8 +118,7 @@ class Scheduler:
             head = self.waiting[0]
             if not bm.can_allocate(blocks_for(head.num_tokens, bm.block_size)):
                 break
-            self.waiting.popleft()
-            bm.allocate(head, head.num_tokens)
+            bm.allocate(self.waiting.popleft(), head.num_tokens)
             head.status = SequenceStatus.RUNNING
             self.running.append(head)
             while self.enable_prefix_sharing and head.num_completion_tokens == 0 and self.waiting:
