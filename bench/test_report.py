@@ -229,3 +229,20 @@ def test_bench_from_logs_names_every_missed_target_the_grpo_step_s_included_and_
     assert "NOTE: 2 target(s) missed: gsm8k-like N=8: cb_impl tokens_per_s / hf-generate >= 1.0; " in out
     assert "GRPO step N=8: cb_impl speedup vs generate() >= 1.0" in out.split("NOTE:")[1]
     assert main([*args, "--strict-targets"]) == 1 and "FAIL: 2 target(s) missed" in capsys.readouterr().out
+
+
+def test_cb_impl_s_step_breakdown_splits_its_wall_time_per_step_into_parts_that_add_up():
+    """Timers of 10 steps: schedule 0.1 s, model runner 0.5 s of which forwards 0.4 s, sampling 0.2 s, wall 1.0 s:
+    10 / 10 / 40 / 20 ms per step and 20 ms unaccounted (adapter, hooks); overhead = all but the forward = 60 ms, the
+    same as the case's own overhead per step; generate()'s overhead stands beside it."""
+    stats = {"schedule_s": 0.1, "model_s": 0.5, "sample_s": 0.2}
+    cb = {"engine": "cb_impl", "workload": "arith", "n": 32, "steps": 10, "wall_s": 1.0, "forward_s": 0.4,
+          "overhead_per_step_ms": 60.0, "extra": {"stats": stats}}  # fmt: skip
+    hf = {"engine": "hf-generate", "workload": "arith", "n": 32, "overhead_per_step_ms": 45.0}
+    parts = report.step_breakdown(cb)
+    assert parts == pytest.approx({"schedule": 10.0, "runner": 10.0, "forward": 40.0, "sample": 20.0, "rest": 20.0})
+    assert sum(parts.values()) == pytest.approx(1e3 * cb["wall_s"] / cb["steps"])
+    table = report.breakdown_markdown({"cases": [cb, hf]})
+    assert "| arith | 32 | 10.00 | 10.00 | 40.00 | 20.00 | 20.00 | 60.00 | 45.00 |" in table
+    assert report.step_breakdown(cb | {"forward_s": None}) is None  # untimed forwards: no breakdown
+    assert report.breakdown_markdown({"cases": [hf, cb | {"extra": {}}]}) == []  # no engine timers: no table

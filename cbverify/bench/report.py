@@ -91,12 +91,46 @@ def markdown(result: dict) -> str:
         lines += ["vLLM start-up (worker process, `LLM` construction, first forward; paid once per run, in no wall "
                   "time above), per bench process: " + ", ".join(f"{w} {t:.1f} s" for w, t in startups.items()) + ".",
                   ""]  # fmt: skip
+    lines += breakdown_markdown(result)
     lines += ["## Targets (CPU, ratios from this run)", "", "| target | measured | met |", "|---|---|---|"]
     for t in result["targets"]:
         lines.append(f"| {t['target']} | {_fmt(t['value'], '.3f')} | {_met(t['met'])} |")
     if result.get("grpo"):
         lines += ["", grpo_markdown(result["grpo"])]
     return "\n".join(lines) + "\n"
+
+
+def step_breakdown(case: dict) -> dict[str, float] | None:
+    """cb_impl's wall time per step in ms, from its own step timers (``LLMEngine.stats``) and the timed forwards:
+    scheduling; the model runner outside the forward (step metadata, copy-on-write block copies); the forward;
+    sampling and postprocessing; the rest (the adapter, the forward hooks). None without timed forwards."""
+    stats = (case.get("extra") or {}).get("stats") or {}
+    if case.get("forward_s") is None or not case.get("steps") or "model_s" not in stats:
+        return None
+    ms = 1e3 / case["steps"]
+    parts = {"schedule": stats["schedule_s"] * ms, "runner": (stats["model_s"] - case["forward_s"]) * ms,
+             "forward": case["forward_s"] * ms, "sample": stats["sample_s"] * ms}  # fmt: skip
+    return parts | {"rest": case["wall_s"] * ms - sum(parts.values())}
+
+
+def breakdown_markdown(result: dict) -> list[str]:
+    """Where cb_impl's step goes, per workload and N, beside ``generate()``'s overhead per step."""
+    rows, hf = [], {(c["workload"], c["n"]): c for c in result["cases"] if c["engine"] == "hf-generate"}
+    for c in result["cases"]:
+        parts = step_breakdown(c) if c["engine"] == "cb_impl" and "error" not in c else None
+        if parts:
+            overhead = sum(v for k, v in parts.items() if k != "forward")
+            other = hf.get((c["workload"], c["n"]), {}).get("overhead_per_step_ms")
+            rows.append(f"| {c['workload']} | {c['n']} | " + " | ".join(f"{v:.2f}" for v in parts.values())
+                        + f" | {overhead:.2f} | {_fmt(other)} |")  # fmt: skip
+    if not rows:
+        return []
+    return ["## Where cb_impl's step goes (ms per step, its fastest round)", "",
+            "schedule = `Scheduler.schedule`; runner = the model runner outside the forward (step metadata, "
+            "copy-on-write block copies); sample = sampling and postprocessing; rest = the adapter and forward hooks; "
+            "overhead = all but the forward.", "",
+            "| workload | N | schedule | runner | forward | sample | rest | overhead | hf-generate overhead |",
+            "|---|---|---|---|---|---|---|---|---|", *rows, ""]  # fmt: skip
 
 
 def _spread(case: dict) -> str:
