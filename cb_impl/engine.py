@@ -48,8 +48,8 @@ class LLMEngine:
                                    max_num_seqs=self.config.max_num_seqs,
                                    enable_prefix_sharing=self.config.enable_prefix_sharing)  # fmt: skip
         self._next_seq_id = 0
-        self._sampled_seqs: list[Sequence] = []  # the last step's sampled sequences, their sampling constants and
-        self._sampling, self._positions = build_sampling_batch([], torch.device("cpu")), torch.zeros(0)  # positions
+        self._sampled_seqs: list[Sequence] = []  # the last step's sampled sequences; their constants and positions:
+        self._sampling, self._positions = build_sampling_batch([], torch.device("cpu")), torch.zeros(0)
         self._live: dict[str, Sequence] = {}
         names = ("num_steps", "num_requests", "num_forward_tokens", "num_prefill_tokens", "num_decode_tokens",
                  "num_generated_tokens", "num_failed_requests", "num_partial_prefills")  # fmt: skip
