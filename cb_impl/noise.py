@@ -7,7 +7,8 @@ compares the bits over the full 32-bit range and the race against the full-vocab
   the 32 bits in two's complement: a product mod 2**32 has the same bits signed or unsigned, and a logical shift is an
   arithmetic one with the sign bits masked off. Half the bytes and a third of the passes of the int64 form. The
   seed's two rounds of the key are computed once per request in Python (:func:`seed_key`); a step mixes in the
-  position only (:func:`step_keys`).
+  position only (:func:`step_keys`). The race subtracts ``log(-log u)`` (:func:`minus_gumbel`): ``a - b`` is
+  ``a + (-b)`` exactly, one pass fewer.
 - Race: the token is ``argmax_v(lp_v + g_v)`` with ``g = -log(-log u)``, ``u = (bits + 0.5) / 2**32``. Since
   ``-log u >= 1 - u``, ``g <= -log(1 - u) = 32 ln 2 - ln(c + 0.5)`` with ``c = 2**32 - 1 - bits``, and for ``c >= 1``
   ``ln(c + 0.5) >= floor(log2 c) ln 2``, read exactly off the float32 exponent of ``c >> 8`` (``c < 256`` reads as
@@ -25,7 +26,7 @@ import torch
 
 from reference.spec import MASK32, MIX_MUL1, MIX_MUL2, SEED_SALT
 
-__all__ = ["fast_bits_to_gumbel", "fast_noise_bits", "gumbel_race", "gumbel_upper_bound", "seed_key", "step_keys"]
+__all__ = ["fast_noise_bits", "gumbel_race", "gumbel_upper_bound", "minus_gumbel", "seed_key", "step_keys"]
 
 _MUL1, _MUL2 = (c - 2**32 if c >= 2**31 else c for c in (MIX_MUL1, MIX_MUL2))  # the hash constants as int32
 RACE_MIN_VOCAB = 128  # CPU, 256 rows: the race is 1.2x slower at V = 64, even at 128, 1.4x faster at 256
@@ -40,10 +41,11 @@ def _mix32_int(x: int) -> int:
 
 
 def seed_key(seed: int) -> int:
-    """The position-independent part of ``reference.spec.noise_keys`` for one seed (computed once per request):
-    ``noise_keys(seed, position) == mix32(seed_key(seed) ^ position)``."""
+    """The position-independent part of ``reference.spec.noise_keys`` for one seed (once per request), as the signed
+    value of its 32 bits: ``noise_keys(seed, position)`` has the bits of ``mix32(seed_key(seed) ^ position)``."""
     key = _mix32_int(seed & MASK32)
-    return _mix32_int(key ^ ((seed >> 32) & MASK32) ^ SEED_SALT)
+    key = _mix32_int(key ^ ((seed >> 32) & MASK32) ^ SEED_SALT)
+    return key - 2**32 if key >= 2**31 else key
 
 
 def _int32(x: torch.Tensor) -> torch.Tensor:
@@ -67,23 +69,21 @@ def _mix32_(x: torch.Tensor) -> torch.Tensor:
 
 
 def step_keys(seed_keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """``reference.spec.noise_keys`` as int32 bits (R,), from int64 :func:`seed_key` values and positions (R,)."""
-    return _mix32_(_int32(seed_keys ^ (positions & MASK32)))
-
-
-def _unsigned(bits32: torch.Tensor) -> torch.Tensor:
-    return bits32.to(torch.int64).bitwise_and_(MASK32)
+    """``reference.spec.noise_keys`` as int32 bits (R,), from :func:`seed_key` values and positions (R,) in
+    ``[0, 2**31)`` (completion positions, below any model's context), of any integer dtype."""
+    return _mix32_(seed_keys.to(torch.int32) ^ positions.to(torch.int32))
 
 
 def fast_noise_bits(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """``reference.spec.noise_bits``: int64 bits in [0, 2**32) per (key, token), broadcasting like ``keys ^ ids``."""
-    return _unsigned(_mix32_(_int32(keys) ^ _int32(token_ids.to(torch.int64))))
+    return _mix32_(_int32(keys) ^ _int32(token_ids.to(torch.int64))).to(torch.int64).bitwise_and_(MASK32)
 
 
-def fast_bits_to_gumbel(bits: torch.Tensor) -> torch.Tensor:
-    """``reference.spec.bits_to_gumbel`` (same float64 operations in the same order, in place)."""
-    u = bits.to(torch.float64).add_(0.5).mul_(1.0 / 2**32)
-    return u.log_().neg_().log_().neg_()
+def minus_gumbel(bits: torch.Tensor) -> torch.Tensor:
+    """``-reference.spec.bits_to_gumbel`` of int32 bits, float64: the spec's operations in its order, in place, but
+    the final negation."""
+    u = bits.view(torch.uint32).to(torch.float64).add_(0.5).mul_(1.0 / 2**32)
+    return u.log_().neg_().log_()
 
 
 def gumbel_upper_bound(bits: torch.Tensor) -> torch.Tensor:
@@ -102,14 +102,14 @@ def gumbel_race(processed: torch.Tensor, keys: torch.Tensor, min_vocab: int = RA
     (R,) are the rows' :func:`step_keys`."""
     rows, vocab = processed.shape
     ids = torch.arange(vocab, dtype=torch.int32, device=keys.device)  # (V,)
-    bits = _mix32_(keys[:, None] ^ ids[None, :])  # (R, V) int32: reference.spec.noise_bits
+    bits = _mix32_(keys.unsqueeze(1) ^ ids)  # (R, V) int32: reference.spec.noise_bits
     if vocab < min_vocab:
-        return (processed.double() + fast_bits_to_gumbel(_unsigned(bits))).argmax(dim=-1)  # first maximum on ties
+        return processed.double().sub_(minus_gumbel(bits)).argmax(dim=-1)  # first maximum on ties
     bound = gumbel_upper_bound(bits).add_(processed)  # (R, V) float32, >= each token's score
     anchor = bound.argmax(dim=-1, keepdim=True)  # (R, 1) a token with a finite log-prob and a large bound
-    floor = processed.gather(1, anchor).double() + fast_bits_to_gumbel(_unsigned(bits.gather(1, anchor)))  # (R, 1)
+    floor = processed.gather(1, anchor).double().sub_(minus_gumbel(bits.gather(1, anchor)))  # (R, 1)
     r, v = (bound >= floor.float()).nonzero(as_tuple=True)  # (N,) each, row-major: the tokens that can win
-    score = processed[r, v].double() + fast_bits_to_gumbel(_unsigned(bits[r, v]))  # (N,) exact scores
+    score = processed[r, v].double().sub_(minus_gumbel(bits[r, v]))  # (N,) exact scores
     best = torch.full((rows,), float("-inf"), dtype=torch.float64, device=score.device)
     best.scatter_reduce_(0, r, score, "amax")  # (R,)
     winners = score == best[r]  # (N,) the row's maximum, possibly tied

@@ -42,11 +42,11 @@ class SamplingBatch:
 
     greedy_rows: list[int]
     sampled_rows: list[int]
-    temperature: torch.Tensor  # (Rs,) float32
+    temperature: torch.Tensor  # (Rs, 1) float32
     top_k: torch.Tensor  # (Rs,) int64, 0 = off
     top_p_threshold: torch.Tensor  # (Rs,) float32: 1 - top_p (transformers' comparison value), -1 = off
     min_p: torch.Tensor  # (Rs,) float32, 0 = off
-    seed_keys: torch.Tensor  # (Rs,) int64: cb_impl.noise.seed_key of the rows' seeds
+    seed_keys: torch.Tensor  # (Rs,) int32: cb_impl.noise.seed_key of the rows' seeds
     max_top_k: int  # host: the largest top_k among sampled rows (0 = no top-k row)
     any_top_p: bool
     any_min_p: bool
@@ -73,15 +73,15 @@ def build_sampling_batch(rows: Sequence[SamplingRow], device: torch.device) -> S
     q = torch.frombuffer(ints, dtype=torch.int64).view(-1, 2) if sampled else torch.empty(0, 2, dtype=torch.int64)
     flags = (int(q[:, 0].max()), bool((f[:, 1] >= 0).any()), bool((f[:, 2] > 0).any())) if sampled else (0, 0, 0)
     f, q = f.to(device), q.to(device)  # (Rs, 3) float32, (Rs, 2) int64
-    return SamplingBatch(greedy, sampled, temperature=f[:, 0], top_k=q[:, 0], top_p_threshold=f[:, 1],
-                         min_p=f[:, 2], seed_keys=q[:, 1],
+    return SamplingBatch(greedy, sampled, temperature=f[:, :1], top_k=q[:, 0], top_p_threshold=f[:, 1],
+                         min_p=f[:, 2], seed_keys=q[:, 1].to(torch.int32),
                          max_top_k=flags[0], any_top_p=flags[1], any_min_p=flags[2])  # fmt: skip
 
 
 def process_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     """Sampled rows' float32 logits (Rs, V) -> processed log-probs (Rs, V)."""
     vocab = logits.shape[1]
-    scores = logits.float() / b.temperature[:, None]  # (Rs, V)
+    scores = logits.float() / b.temperature  # (Rs, V)
     if b.max_top_k > 0:
         k = b.top_k.clamp(max=vocab)  # (Rs,) transformers: top_k = min(top_k, V)
         top = torch.topk(scores, min(b.max_top_k, vocab), dim=-1)  # (Rs, K)
