@@ -2,11 +2,11 @@
 
 Each example trains the bundled arithmetic Llama for a few optimizer steps (past the first generation batch) with a
 drawn ``GRPOConfig`` (``strategies.trainer_configs``), rolling out with the oracle through ``rollout_func`` so the
-rollouts are exact, and checks what ``cbverify.upstream.steps`` recomputes: per-function rewards, advantages, the
-partition of each generation batch into micro-batches, every loss call, every step's gradient and logged metrics.
-A FAIL passes only when a registered finding covers it (``cbverify.upstream.findings``); Hypothesis shrinks any
-other to the config fields that matter. The default budget is small and derandomised; ``make fuzz-trl`` runs a long
-one with the example database (``CBVERIFY_TRL_EXAMPLES``).
+rollouts are exact, and checks what ``cbverify.upstream.step_reference`` recomputes: per-function rewards,
+advantages, the partition of each generation batch into micro-batches, every loss call, every step's gradient and
+logged metrics. A FAIL passes only when a registered finding covers it (``cbverify.upstream.findings``); Hypothesis
+shrinks any other to the config fields that matter. The default budget is small and derandomised; ``make fuzz-trl``
+runs a long one with the example database (``CBVERIFY_TRL_EXAMPLES``).
 
 The metamorphic properties need no reference:
 - the same rollouts give the same update however they are split into accumulation windows and generation batches;
@@ -33,8 +33,10 @@ from hypothesis import strategies as st
 
 from cbverify.tolerances import TRAINER_FP32_PARAM_GRAD
 from cbverify.upstream.findings import FINDINGS
+from cbverify.upstream.recording import record_run
 from cbverify.upstream.scenario import TrainerScenario
-from cbverify.upstream.steps import CHECKS, assignments, check_steps, record_run, reference_steps
+from cbverify.upstream.step_reference import reference_steps
+from cbverify.upstream.steps import CHECKS, assignments, check_steps
 from cbverify.upstream.suite import judge
 from property_tests.strategies import trainer_configs
 
@@ -232,7 +234,7 @@ def _schedules(draw):
     """A synthetic record of how a trainer consumed its generation batches: each of ``num_iterations`` passes is a
     drawn permutation of the batch's rows cut into ``spg`` micro-batches of ``size`` rows; training may stop in the
     last generation batch. Returns (scenario, record)."""
-    from cbverify.upstream.steps import Generation, LossCall, Record
+    from cbverify.upstream.recording import Generation, LossCall, Record
 
     spg, size, iterations = draw(st.integers(1, 3)), 2 * draw(st.integers(1, 2)), draw(st.integers(1, 2))
     batches = draw(st.integers(1, 3))

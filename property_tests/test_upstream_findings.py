@@ -15,7 +15,8 @@ import sys
 import pytest
 
 from cbverify.upstream.findings import FAIL, FINDINGS, NA, SCRIPTS, Finding, expected_status
-from cbverify.upstream.steps import check_steps, record_run
+from cbverify.upstream.recording import record_run
+from cbverify.upstream.steps import check_steps
 from cbverify.upstream.suite import DEFAULT_SCENARIOS, check_scenario, greedy_agreement, judge
 
 pytestmark = pytest.mark.upstream
