@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from cb_impl.attention import GATHER_BUDGET, build_group, explicit_attention, slot_grid
@@ -79,6 +79,7 @@ def test_explicit_attention_equals_the_definition(s, kv_heads, group, q_len, ext
     chunks=st.lists(st.tuples(st.integers(0, 6), st.integers(1, 4)), min_size=1, max_size=3),
     window=st.integers(1, 6),
 )
+@example(chunks=[(0, 2), (0, 1)], window=1)  # a padding row under the narrowest window still sees key 0
 def test_a_group_masks_exactly_the_causal_window_of_each_query(chunks, window):
     """Query q of a chunk starting at ``start`` sits at position start + q and sees key positions p with
     p <= start + q (causal) and, under a window w, p > start + q - w; a padding row sees key 0 only."""

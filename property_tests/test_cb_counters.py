@@ -80,7 +80,7 @@ def test_the_attention_pair_counters_count_each_step_s_needed_and_computed_query
     assert engine.stats["attention_padding_waste"] == pytest.approx(1 - needed / computed, rel=1e-12)
 
 
-@pytest.mark.parametrize(("prompt_len", "budget"), [(10, 4), (9, 3), (5, 8), (12, 1)])
+@pytest.mark.parametrize(("prompt_len", "budget"), [(10, 4), (9, 3), (5, 8), (12, 1), (5, 3)])
 def test_the_event_counters_verify_reports_count_what_happened(llama, prompt_len, budget):
     """One request alone, its prompt prefilled in chunks of ``budget`` tokens: ceil(P / B) - 1 of its prefill steps are
     partial (what ``verify`` reports as chunked prefills), and each generate() adds its requests to the count."""
@@ -135,8 +135,8 @@ def test_each_step_timer_accumulates_its_own_interval_of_every_step(llama, monke
 
 def test_a_group_decoding_wider_than_the_token_budget_counts_no_partial_prefill_after_its_prompt(llama):
     """A group of four sharing one 3-token prompt with a budget of 2 tokens a step: the prompt takes two steps (one
-    partial prefill), then the four members decode two at a time. A member left without budget in a step is not
-    scheduled at all (not as an empty chunk counted as a partial prefill), and the tokens are the oracle's."""
+    partial prefill), then the four members decode two at a time (six steps). A member left without budget in a step
+    is not scheduled at all (not as an empty chunk counted as a partial prefill), and the tokens are the oracle's."""
     from reference.generate import generate as reference_generate
 
     engine = LLMEngine(llama.model, EngineConfig(num_blocks=32, block_size=4, max_batch_tokens=2))
@@ -145,6 +145,7 @@ def test_a_group_decoding_wider_than_the_token_budget_counts_no_partial_prefill_
     got = engine.generate(requests)
     assert engine.stats["num_partial_prefills"] == 1, engine.stats
     assert engine.stats["num_forward_tokens"] == 3 + 4 * 3, "the prompt once, then every token but the last"
+    assert engine.stats["num_steps"] == 2 + 4 * 3 // 2, "two prompt steps, then every decode step spends its budget"
     assert [r.completion_ids for r in got] == [r.completion_ids for r in reference_generate(llama.model, requests)]
 
 

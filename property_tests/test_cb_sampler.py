@@ -101,6 +101,15 @@ def test_cb_sampling_rows_in_slices_gives_the_same_bits_as_all_rows_at_once(logi
     assert all(torch.equal(a, b) for a, b in zip(whole, sliced, strict=True)), (whole, sliced)
 
 
+def test_sampling_in_slices_covers_every_row_when_rows_outnumber_the_vocabulary():
+    """Slices step over rows, not tokens: six rows of a three-token vocabulary, one row per slice."""
+    logits = torch.randn(6, 3, generator=torch.Generator().manual_seed(0))
+    params, row_seeds, row_positions = [SamplingParams(temperature=1.0)] * 6, list(range(6)), [0] * 6
+    whole = _sample(logits, params, row_seeds, row_positions, budget=logits.numel())
+    sliced = _sample(logits, params, row_seeds, row_positions, budget=1)
+    assert sliced[0].shape == (6,) and all(torch.equal(a, b) for a, b in zip(whole, sliced, strict=True))
+
+
 @given(logits=logits_batches(max_rows=4), data=st.data())
 def test_cb_sampled_rows_follow_the_processed_distribution_support(logits, data):
     """A sampled token always has a finite processed log-prob (it was kept by every processor) and greedy rows pick
@@ -137,6 +146,7 @@ def test_cb_noise_keys_split_per_request_and_per_step_equal_the_reference_keys(r
         row_positions = data.draw(st.lists(positions(), min_size=len(row_seeds), max_size=len(row_seeds)))
     fast = step_keys(torch.tensor([seed_key(s) for s in row_seeds]), torch.tensor(row_positions))
     expected = noise_keys(torch.tensor(row_seeds), torch.tensor(row_positions))
+    assert fast.dtype == torch.int32  # the race's hash works on int32 bits
     assert torch.equal(fast.to(torch.int64) & 0xFFFFFFFF, expected), (fast, expected)
 
 
@@ -173,12 +183,16 @@ def test_the_processors_cut_exactly_at_their_boundaries_as_the_reference_does():
     """Equal logits make the boundaries exact: probabilities of 1/4, cumulative sums of 1/4, 1/2, 3/4 landing on
     ``1 - top_p`` (transformers removes at ``<=``), every token tied with the maximum under ``min_p = 1`` (removed
     only below it), and ties at the k-th score (kept). A drawn batch almost never lands on a boundary. And a token
-    whose probability underflows to 0 stays finite when top-p is off (``top_p = 1``: no cut at a cumulative of 0)."""
+    whose probability underflows to 0 stays finite when top-p is off (``top_p = 1``: no cut at a cumulative of 0).
+    With 32 or 48 tied tokens, which ties the cut keeps is the stable sort's order (transformers' ``stable=True``)."""
     flat, underflow = torch.zeros(1, 4), torch.tensor([[0.0, -200.0, 0.0, 0.0]])
     cases = [(flat, SamplingParams(temperature=1.0, top_p=p)) for p in (0.25, 0.5, 0.75)]
     cases += [(flat, SamplingParams(temperature=1.0, min_p=1.0)), (flat, SamplingParams(temperature=1.0, top_k=2))]
     cases += [(flat, SamplingParams(temperature=0.5, top_k=1, top_p=0.5, min_p=1.0))]
     cases += [(underflow, SamplingParams(temperature=1.0)), (underflow, SamplingParams(temperature=1.0, top_p=0.9))]
+    # ties straddling the top-p cut at V > 16: a sort that is not stable reorders them (CPU does, from V = 17)
+    cases += [(torch.zeros(1, 32), SamplingParams(temperature=1.0, top_p=0.5))]
+    cases += [(torch.zeros(1, 48), SamplingParams(temperature=1.0, top_p=0.25))]
     for logits, p in cases:
         got = process_logits(logits, _batch([p], [0]))[0]
         want = reference_process_logits(logits[0], p)
