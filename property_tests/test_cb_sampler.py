@@ -184,7 +184,7 @@ def test_the_processors_cut_exactly_at_their_boundaries_as_the_reference_does():
     ``1 - top_p`` (transformers removes at ``<=``), every token tied with the maximum under ``min_p = 1`` (removed
     only below it), and ties at the k-th score (kept). A drawn batch almost never lands on a boundary. And a token
     whose probability underflows to 0 stays finite when top-p is off (``top_p = 1``: no cut at a cumulative of 0).
-    With 32 or 48 tied tokens, which ties the cut keeps is the stable sort's order (transformers' ``stable=True``)."""
+    With 32 or 48 tied tokens, which ties the cut keeps is the reference's stable sort's order (lowest ids dropped)."""
     flat, underflow = torch.zeros(1, 4), torch.tensor([[0.0, -200.0, 0.0, 0.0]])
     cases = [(flat, SamplingParams(temperature=1.0, top_p=p)) for p in (0.25, 0.5, 0.75)]
     cases += [(flat, SamplingParams(temperature=1.0, min_p=1.0)), (flat, SamplingParams(temperature=1.0, top_k=2))]
