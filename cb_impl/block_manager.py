@@ -89,7 +89,7 @@ class BlockManager:
         """Free blocks needed before ``seq`` can write ``num_new_tokens`` more tokens (new blocks + copy on write)."""
         bs, table, start = self.block_size, seq.block_table, seq.num_computed_tokens
         new = -(-(start + num_new_tokens) // bs) - len(table)  # blocks_for, inlined (once per sequence and step)
-        shared = start % bs and start // bs < len(table) and self.ref_counts[table[start // bs]] > 1
+        shared = start % bs and self.ref_counts[table[start // bs]] > 1  # computed tokens have blocks
         return (new if new > 0 else 0) + (1 if shared else 0)  # a shared, partly filled block is copied first
 
     def may_append(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
@@ -100,7 +100,7 @@ class BlockManager:
         copies: list[tuple[int, int]] = []
         start, table, bs = seq.num_computed_tokens, seq.block_table, self.block_size
         first = start // bs
-        if start % bs and first < len(table) and self.ref_counts[table[first]] > 1:
+        if start % bs and self.ref_counts[table[first]] > 1:  # computed tokens have blocks: table[first] exists
             src, dst = table[first], self._take()
             self._release(src)
             table[first] = dst
