@@ -21,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cbverify.upstream.capture import Capture
-from cbverify.upstream.numerics import is_weights_match_reference
 from cbverify.upstream.run import off_policy_sampler
+from cbverify.upstream.sampler_checks import is_weights_match_reference
 from cbverify.upstream.scenario import TrainerScenario
 from cbverify.upstream.suite import VLLM_SCENARIOS
 from property_tests.helpers import needs_vllm

@@ -14,12 +14,9 @@ import torch
 from cbverify.tolerances import PASS_THROUGH_ATOL
 from cbverify.upstream.capture import Capture, GenerationRecord
 from cbverify.upstream.findings import FAIL, NA, PASS, CheckResult
+from cbverify.upstream.findings import scenario_result as _result
 from cbverify.upstream.scenario import TrainerScenario
 from reference import tasks
-
-
-def _result(check: str, scenario: TrainerScenario, status: str, reason: str) -> CheckResult:
-    return CheckResult(check, scenario.path, status, reason, scenario.describe())
 
 
 def _err(err: BaseException) -> str:

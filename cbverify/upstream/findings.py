@@ -42,6 +42,11 @@ class CheckResult:
             object.__setattr__(self, "reason", " ".join(self.reason.split()))
 
 
+def scenario_result(check: str, scenario: TrainerScenario, status: str, reason: str) -> CheckResult:
+    """One check's result on ``scenario``'s path, naming the scenario."""
+    return CheckResult(check, scenario.path, status, reason, scenario.describe())
+
+
 @dataclass(frozen=True, slots=True)
 class Finding:
     id: str

@@ -28,6 +28,7 @@ import torch
 from cbverify.tolerances import TRAINER_FP32_PARAM_GRAD, TRAINER_METRIC
 from cbverify.upstream.capture import Capture
 from cbverify.upstream.findings import FAIL, NA, PASS, CheckResult
+from cbverify.upstream.findings import scenario_result as _result
 from cbverify.upstream.scenario import TrainerScenario
 
 if TYPE_CHECKING:
@@ -38,10 +39,6 @@ RANK_CHECKS = (
     "ranks_sample_distinct_streams", "ranks_match_one_process", "ranks_log_what_one_process_logs",
 )  # fmt: skip
 NOT_COMPARED = ("time", "runtime", "per_second", "epoch")  # logged keys that measure the machine, not the step
-
-
-def _result(check: str, scenario: TrainerScenario, status: str, reason: str) -> CheckResult:
-    return CheckResult(check, scenario.path, status, reason, scenario.describe())
 
 
 def check_ranks(scenario: TrainerScenario, run: Launch, model, one: Launch | None = None) -> list[CheckResult]:

@@ -14,6 +14,7 @@ import torch
 
 from cbverify.tolerances import TRAINER_FP32, TRAINER_FP32_PARAM_GRAD, TRAINER_METRIC
 from cbverify.upstream.findings import FAIL, NA, PASS, CheckResult
+from cbverify.upstream.findings import scenario_result as _result
 from cbverify.upstream.recording import Generation, LossCall, Record
 from cbverify.upstream.scenario import TrainerScenario
 from cbverify.upstream.step_reference import (
@@ -31,10 +32,6 @@ CHECKS = (
     "zero_variance_groups_get_zero_advantage", "micro_batches_partition_generation", "micro_losses_match_reference",
     "step_gradients_match_reference", "logged_metrics_match_reference",
 )  # fmt: skip
-
-
-def _result(check: str, scenario: TrainerScenario, status: str, reason: str) -> CheckResult:
-    return CheckResult(check, scenario.path, status, reason, scenario.describe())
 
 
 def _close(got: float, want: float, tol=TRAINER_FP32) -> bool:

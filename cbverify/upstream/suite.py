@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import replace
 
-from cbverify.upstream import checks, numerics
+from cbverify.upstream import checks, numerics, sampler_checks
 from cbverify.upstream.capture import Capture
 from cbverify.upstream.findings import FAIL, NA, PASS, CheckResult, by_id, expected_status
 from cbverify.upstream.run import not_applicable, run_scenario
@@ -62,9 +62,9 @@ def check_capture(scenario: TrainerScenario, capture: Capture, model) -> list[Ch
           else _not_reached(scenario, "loss_matches_reference")),
     ]  # fmt: skip
     sampler = capture.sampler_model if capture.sampler_model is not None else model  # the weights it sampled with
-    results += numerics.sampled_tokens_within_processed_support(scenario, capture, sampler)
-    results += numerics.sampler_logprob_semantics(scenario, capture, sampler)
-    results += (numerics.is_weights_match_reference(scenario, capture, model, info) if reached_scoring
+    results += sampler_checks.sampled_tokens_within_processed_support(scenario, capture, sampler)
+    results += sampler_checks.sampler_logprob_semantics(scenario, capture, sampler)
+    results += (sampler_checks.is_weights_match_reference(scenario, capture, model, info) if reached_scoring
                 else _not_reached(scenario, "is_weights_match_reference"))  # fmt: skip
     if capture.rollout_backend:
         results = [replace(r, reason=f"[{capture.rollout_backend}] {r.reason}") for r in results]
