@@ -61,7 +61,7 @@ class SamplingBatch:
 def build_sampling_batch(rows: Sequence[SamplingRow], device: torch.device) -> SamplingBatch:
     """Per-row :func:`sampling_row` constants -> one set of device tensors."""
     greedy, sampled = [], []
-    floats, ints = array("f"), array("q")
+    floats, ints = array("f", (0, -1, 0)), array("q", (0, 0))  # a row with every processor off, sliced off below
     for i, row in enumerate(rows):
         if row is None:
             greedy.append(i)
@@ -69,10 +69,10 @@ def build_sampling_batch(rows: Sequence[SamplingRow], device: torch.device) -> S
             sampled.append(i)
             floats.extend(row[0])
             ints.extend(row[1])
-    f = torch.frombuffer(floats, dtype=torch.float32).view(-1, 3) if sampled else torch.empty(0, 3)  # (Rs, 3)
-    q = torch.frombuffer(ints, dtype=torch.int64).view(-1, 2) if sampled else torch.empty(0, 2, dtype=torch.int64)
-    flags = (int(q[:, 0].max()), bool((f[:, 1] >= 0).any()), bool((f[:, 2] > 0).any())) if sampled else (0, 0, 0)
-    f, q = f.to(device), q.to(device)  # (Rs, 3) float32, (Rs, 2) int64
+    f = torch.frombuffer(floats, dtype=torch.float32).view(-1, 3)  # (1 + Rs, 3)
+    q = torch.frombuffer(ints, dtype=torch.int64).view(-1, 2)  # (1 + Rs, 2)
+    flags = (int(q[:, 0].max()), bool((f[:, 1] >= 0).any()), bool((f[:, 2] > 0).any()))
+    f, q = f[1:].to(device), q[1:].to(device)  # (Rs, 3) float32, (Rs, 2) int64
     return SamplingBatch(greedy, sampled, temperature=f[:, :1], top_k=q[:, 0], top_p_threshold=f[:, 1],
                          min_p=f[:, 2], seed_keys=q[:, 1].to(torch.int32),
                          max_top_k=flags[0], any_top_p=flags[1], any_min_p=flags[2])  # fmt: skip
