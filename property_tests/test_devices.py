@@ -13,6 +13,7 @@ What they cannot see on CPU: a host tensor that should have been moved to the mo
 
 from __future__ import annotations
 
+import json
 from functools import cache
 
 import pytest
@@ -145,3 +146,20 @@ def test_cb_impl_sampler_makes_no_tensor_on_the_default_device(device, logits, d
     with FOREIGN:
         inside = run()
     _assert_equal(inside, outside, "sample")
+
+
+@pytest.mark.parametrize("bench_device", [pytest.param("cpu", marks=pytest.mark.slow), *DEVICES[1:]])
+def test_cbverify_bench_runs_every_engine_and_the_grpo_step_end_to_end(bench_device, tmp_path):
+    """``cbverify bench`` on the device, one small case of every default engine and one GRPO step per path after a
+    warm-up: exit 0 (no case errored or failed its output checks), every case and GRPO row measured."""
+    from cbverify.cli import main
+
+    args = ["bench", "--device", bench_device, "--workload", "arith", "--n", "8", "--rounds", "1", "--grpo-n", "8",
+            "--grpo-steps", "2", "--grpo-rounds", "1", "--out", str(tmp_path)]  # fmt: skip
+    assert main(args) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert {c["engine"] for c in result["cases"]} == {"hf-generate", "transformers-cb", "cb_impl"}
+    assert all(c["tokens_per_s"] > 0 and not c["check_problems"] for c in result["cases"]), result["cases"]
+    rows = result["grpo"]["rows"]
+    assert {r["path"] for r in rows} == {"generate", "transformers-cb", "cb_impl"}
+    assert all("error" not in r and r["step_s"] > 0 for r in rows), rows
