@@ -6,16 +6,18 @@ attention call (1) writes the new keys/values into the paged cache at ``slot_map
 sequences (decodes, then prefill chunks; padding is per group so decodes are never padded to a chunk's length)
 gathers every sequence's keys/values from the cache into a padded (S, Hkv, L, D) tensor and runs causal SDPA. A
 layer called with ``sliding_window=w`` masks keys more than ``w - 1`` positions behind the query (transformers'
-``sliding_window_overlay``); one called with ``softcap`` (Gemma 2) or ``s_aux`` (gpt-oss sinks) gets its scores
-computed explicitly (:func:`explicit_attention`). Features that reach attention any other way are refused at
-construction by ``cb_impl.support``.
+``sliding_window_overlay``); a layer of a model that passes no ``sliding_window`` (Qwen2-MoE, PhiMoE) gets the window
+its own mask carries (``support.mask_window``); one called with ``softcap`` (Gemma 2) or ``s_aux`` (gpt-oss sinks)
+gets its scores computed explicitly (:func:`explicit_attention`). Features that reach attention any other way are
+refused at construction by ``cb_impl.support``.
 
 Oracle: equals the model's own attention (``eager``/``sdpa``) over each sequence's full prefix — checked end to end
 against ``reference.generate`` by the exactness properties. Padding never reads an unwritten slot: padded key
 columns point at the sequence's own position 0 and are masked out; padded query rows attend to that column only
 and are discarded.
 
-Because the implementation is not registered in ``AttentionMaskInterface``, transformers builds no mask at all.
+Because the implementation is not registered in ``AttentionMaskInterface``, transformers builds no mask at all: a
+window that only the mask would carry is read from the config, as transformers' mask builder reads it.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from cb_impl.kv_cache import PagedKVCache
-from cb_impl.support import UnsupportedModel
+from cb_impl.support import UnsupportedModel, mask_window
 
 NOT_ROUTED = "is not supported by cb_impl: its attention does not go through transformers' AttentionInterface"
 
@@ -142,10 +144,10 @@ class PagedAttention:
         meta = self.metadata
         if meta is None:
             raise RuntimeError(f"{self.name} called outside an engine step (model not attached to the engine)")
-        window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
         if query.shape[0] != 1:
             raise RuntimeError(f"cb_impl packs all sequences into batch 1, got query batch {query.shape[0]}")
-        layer = module.layer_idx
+        layer, softcap, sinks = module.layer_idx, kwargs.get("softcap"), kwargs.get("s_aux")
+        window = kwargs["sliding_window"] if "sliding_window" in kwargs else mask_window(module.config, layer)
         self.cache.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
         q = query[0].transpose(0, 1)  # (T, Hq, D)
         out = torch.empty_like(q)  # (T, Hq, D)

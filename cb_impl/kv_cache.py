@@ -17,17 +17,8 @@ from cb_impl.config import EngineConfig
 class PagedKVCache:
     """Keys and values of every layer: ``key[layer]`` is (num_slots, num_kv_heads, head_dim)."""
 
-    def __init__(
-        self,
-        *,
-        num_layers: int,
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
+    def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
         self.key = torch.empty(shape, dtype=dtype, device=device)  # (L, slots, Hkv, D)

@@ -32,15 +32,9 @@ class Sequence:
         "num_computed_tokens", "block_table", "status", "parent", "followers", "finish_reason", "sampler_row",
     )  # fmt: skip
 
-    def __init__(
-        self,
-        seq_id: int,
-        prompt_ids: tuple[int, ...] | list[int],
-        *,
-        max_new_tokens: int,
-        eos_token_ids: tuple[int, ...] | frozenset[int] = (),
-        request_id: str | None = None,
-    ) -> None:
+    def __init__(self, seq_id: int, prompt_ids: tuple[int, ...] | list[int], *, max_new_tokens: int,
+                 eos_token_ids: tuple[int, ...] | frozenset[int] = (),
+                 request_id: str | None = None) -> None:  # fmt: skip
         if not prompt_ids:
             raise ValueError(f"sequence {seq_id}: empty prompt")
         if max_new_tokens < 1:

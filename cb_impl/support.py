@@ -1,10 +1,10 @@
 """Which models cb_impl drives exactly, decided from the model's config at construction, before any work.
 
 cb_impl runs an unmodified Hugging Face decoder with its attention routed to the paged attention, which implements
-causal attention over each sequence's prefix, per layer optionally with a sliding window (``sliding_window``),
-logit soft-capping (``softcap``) and attention sinks (``s_aux``), as transformers passes them. Anything else that
-mixes tokens is refused here with :class:`UnsupportedModel` naming the feature, never run into wrong tokens or a
-failure at the first step:
+causal attention over each sequence's prefix, per layer optionally with a sliding window (``sliding_window``, or
+where the model passes none the window of its own mask: :func:`mask_window`), logit soft-capping (``softcap``) and
+attention sinks (``s_aux``), as transformers passes them. Anything else that mixes tokens is refused here with
+:class:`UnsupportedModel` naming the feature, never run into wrong tokens or a failure at the first step:
 
 - multimodal or encoder-decoder models (cb_impl drives text-only decoders, as TRL's CB);
 - no attention heads: a state-space / recurrent model (Mamba, RWKV);
@@ -15,7 +15,8 @@ failure at the first step:
 - ALiBi position biases (BLOOM, MPT, Falcon with ``alibi``): passed as a mask, which cb_impl does not receive;
 - (in ``cb_impl.attention``) a model whose attention does not go through transformers' ``AttentionInterface``.
 
-Oracle of the verdict: the architecture zoo (``cbverify.zoo``) runs every architecture through the engine against
+Oracle of the verdict: the architecture zoo (``cbverify.zoo``) runs every architecture, and every combination of
+config features its families honour (``cbverify.zoo.combinations``), through the engine against
 ``reference.generate``: each one is exact or refused here. Imports no torch.
 """
 
@@ -57,6 +58,13 @@ def unsupported_features(cfg: object) -> list[str]:
     if _alibi(cfg):
         found.append("ALiBi position biases")
     return found
+
+
+def mask_window(cfg: object, layer: int) -> int | None:
+    """The window transformers' mask builder gives layer ``layer`` (for a model that passes no ``sliding_window``):
+    ``cfg.sliding_window`` on the layers ``cfg.layer_types`` marks sliding, on all of them without ``layer_types``."""
+    types = getattr(cfg, "layer_types", None)
+    return getattr(cfg, "sliding_window", None) if not types or types[layer] == "sliding_attention" else None
 
 
 def check_supported(model: object) -> None:
