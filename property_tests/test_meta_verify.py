@@ -10,6 +10,7 @@ import shutil
 import pytest
 
 from cbverify import engines as engines_module
+from cbverify import report
 from cbverify.cli import main
 from reference import tasks
 from reference.models import MODELS_DIR
@@ -102,3 +103,19 @@ def test_several_eos_ids_catch_an_engine_that_stops_on_the_first_only(tmp_path, 
 def test_memory_pressure_catches_a_preemption_bug_the_roomy_cache_never_triggers(tmp_path, monkeypatch):
     verdicts = _verdicts(tmp_path, "PreemptionKeepsComputed", monkeypatch)
     assert verdicts == {"cb_impl": "PASS", "cb_impl[pressure]": "FAIL"}, verdicts
+
+
+def test_a_check_that_judges_no_engine_fails_the_run_and_is_named(tmp_path, capsys, monkeypatch):
+    """A distribution test with no node seen often enough for a chi-square test (a model that ends every sample at
+    once would give that) judges nothing: reported as NOT-APPLICABLE with the reason, never as a PASS, and a run
+    where it judged no engine exits 1 naming it. The same engine with its real test is judged and passes."""
+    from cbverify.distribution import DistributionResult
+
+    assert main(_argv(tmp_path, "--engines", "hf-generate")) == 0
+    assert "every one of the 5 checks judged at least once" in capsys.readouterr().out
+    monkeypatch.setattr(report, "distribution_test", lambda *a, **k: DistributionResult(1e-3, (), ()))
+    assert main(_argv(tmp_path, "--engines", "hf-generate")) == 1
+    out = capsys.readouterr().out
+    assert "VACUOUS (judged nothing, a failure of the run): distribution" in out, out[-1500:]
+    row = next(r for r in json.loads((tmp_path / "r.json").read_text())["engines"] if r["engine"] == "hf-generate")
+    assert ["distribution", "NOT-APPLICABLE"] in [c[:2] for c in row["checks"]], row["checks"]

@@ -25,8 +25,10 @@ from cbverify.upstream.suite import judge
 pytestmark = [pytest.mark.upstream, pytest.mark.distributed]
 MODEL = "tiny-qwen2-random"
 FAULTY = "property_tests.faulty_ranks"
+# the scenarios on the bundled random Qwen2 itself (their random_weights would redraw it; run_distributed does that)
+SCENARIOS = tuple(replace(s, random_weights=False) for s in DISTRIBUTED_SCENARIOS)
 # one prompt per process (groups of 2, 2 rows each): a rank handed another rank's rows gets another prompt's
-PER_RANK_PROMPTS = replace(DISTRIBUTED_SCENARIOS[0], num_generations=2)
+PER_RANK_PROMPTS = replace(SCENARIOS[0], num_generations=2)
 
 
 def _statuses(results) -> dict[str, str]:
@@ -41,8 +43,8 @@ def _unexpected(scenario, results, model_type: str) -> list[str]:
 def test_two_processes_keep_every_invariant_and_train_as_one_process_would(qwen2):
     """Groups of 4 split over 2 processes, cb_impl-free oracle rollouts: the ranks together are the global batch,
     weights stay identical, and the step's gradient and every logged number equal one process's on the same batch."""
-    scenario = DISTRIBUTED_SCENARIOS[0]
-    results = [r for _, r in run_distributed([scenario], MODEL, qwen2.model, progress=False)]
+    scenario = SCENARIOS[0]
+    results = [r for _, r in run_distributed([scenario], MODEL, qwen2.model, progress=False)[0]]
     assert not _unexpected(scenario, results, "qwen2"), _unexpected(scenario, results, "qwen2")
     statuses = _statuses(results)
     assert all(statuses[c] == "PASS" for c in RANK_CHECKS), statuses
@@ -56,7 +58,7 @@ def test_a_faulty_rank_is_caught_by_the_named_check(qwen2, monkeypatch, fault, c
     """``swap``: a rollout_func answering with the next rank's rows; ``unscaled``: a loss normaliser that forgets
     that gradients are averaged over processes (the 2-process gradient is half the single process's)."""
     monkeypatch.setenv("CBVERIFY_RANK_FAULT", fault)
-    scenario = PER_RANK_PROMPTS if fault == "swap" else DISTRIBUTED_SCENARIOS[0]
+    scenario = PER_RANK_PROMPTS if fault == "swap" else SCENARIOS[0]
     run = launch(scenario, MODEL, module=FAULTY)
     one = launch(one_process_equivalent(scenario), MODEL) if check == "ranks_match_one_process" else None
     statuses = _statuses(check_ranks(scenario, run, qwen2.model, one))
@@ -68,9 +70,9 @@ def test_a_model_error_on_one_rank_stops_every_rank_and_is_reported(qwen2, monke
     collective, none training on empty completions) and run_completes names the error."""
     monkeypatch.setenv("CBVERIFY_RANK_FAULT", "raise")
     start = time.perf_counter()
-    run = launch(DISTRIBUTED_SCENARIOS[0], MODEL, module=FAULTY, timeout_s=300)
+    run = launch(SCENARIOS[0], MODEL, module=FAULTY, timeout_s=300)
     assert run.returncode not in (0, None) and time.perf_counter() - start < 240, (run.returncode, run.log)
-    results = check_ranks(DISTRIBUTED_SCENARIOS[0], run, qwen2.model)
+    results = check_ranks(SCENARIOS[0], run, qwen2.model)
     (completes,) = [r for r in results if r.check == "run_completes"]
     assert completes.status == "FAIL" and "injected model error" in completes.reason, completes.reason
 
@@ -78,16 +80,16 @@ def test_a_model_error_on_one_rank_stops_every_rank_and_is_reported(qwen2, monke
 def test_accelerate_launch_without_a_config_is_reported_as_one_process(qwen2, tmp_path, monkeypatch):
     """``accelerate launch --cpu --num_processes 2`` with no accelerate config runs one single-process job."""
     monkeypatch.setenv("HOME", str(tmp_path))  # no user accelerate config
-    run = launch(DISTRIBUTED_SCENARIOS[0], MODEL, launcher="accelerate")
-    (really,) = [r for r in check_ranks(DISTRIBUTED_SCENARIOS[0], run, qwen2.model) if r.check ==
+    run = launch(SCENARIOS[0], MODEL, launcher="accelerate")
+    (really,) = [r for r in check_ranks(SCENARIOS[0], run, qwen2.model) if r.check ==
                  "ranks_really_distributed"]  # fmt: skip
     assert really.status == "FAIL" and "DistributedType.NO" in really.reason, really.reason
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scenario", DISTRIBUTED_SCENARIOS[1:], ids=lambda s: s.describe())
+@pytest.mark.parametrize("scenario", SCENARIOS[1:], ids=lambda s: s.describe())
 def test_every_multi_process_scenario_shows_no_unregistered_failure(qwen2, scenario):
-    results = [r for _, r in run_distributed([scenario], MODEL, qwen2.model, progress=False)]
+    results = [r for _, r in run_distributed([scenario], MODEL, qwen2.model, progress=False)[0]]
     assert not _unexpected(scenario, results, "qwen2"), _unexpected(scenario, results, "qwen2")
 
 

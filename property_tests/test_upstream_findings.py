@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from cbverify.upstream.findings import FAIL, FINDINGS, NA, SCRIPTS, Finding, expected_status
+from cbverify.upstream.findings import FAIL, FINDINGS, NA, SCRIPTS, Finding, by_id, explaining
 from cbverify.upstream.recording import record_run
 from cbverify.upstream.steps import check_steps
 from cbverify.upstream.suite import DEFAULT_SCENARIOS, check_scenario, greedy_agreement, judge
@@ -81,6 +81,8 @@ def test_the_invariant_behind_each_registered_finding_holds(finding: Finding, mo
     covered = [r for r in results if finding.covers(r, finding.repro, arch) and r.status != NA]
     assert covered, f"{finding.id}: its repro scenario runs none of {finding.checks} (registry out of date)"
     failing = [r for r in covered if r.status == FAIL]
+    unlike = [f"{r.check}: {why}" for r in failing if (why := finding.predicts[r.check].mismatch(r, finding.repro))]
+    assert not unlike, f"{finding.id} fails otherwise than it predicts: {unlike}; update the registry"
     if failing and len(failing) == len(covered):
         raise FindingReproduces(f"{finding.id}: {failing[0].check}: {failing[0].reason}")
     passing = sorted({r.check for r in covered if r.status != FAIL})
@@ -92,8 +94,9 @@ def test_every_failure_on_a_findings_repro_scenario_is_registered(models):
         model_type = models[finding.repro_model][0].config.model_type
         for result in _finding_results(finding, models):
             if result.status == FAIL:
-                covered_by = expected_status(result, finding.repro, model_type)
-                assert covered_by is not None, f"unregistered: {result.check}: {result.reason} [{result.scenario}]"
+                explained, why = explaining(result, finding.repro, model_type)
+                assert explained is not None, (f"unexplained: {result.check}: {result.reason} [{result.scenario}] "
+                                                f"{why}")  # fmt: skip
 
 
 def test_greedy_decoding_gives_identical_completions_on_generate_cb_and_rollout_func(qwen2):
@@ -114,3 +117,40 @@ def test_every_repro_script_fails_exactly_inside_its_versions(finding: Finding):
     expected = 1 if finding.on_installed_version() else 0
     assert proc.returncode == expected, (f"{finding.id} ({finding.versions()}) on {versions()}: exit "
                                          f"{proc.returncode}, expected {expected}: {last}")  # fmt: skip
+
+
+FLOAT32_MEAN = "float32-group-mean-gives-zero-variance-groups-an-advantage"
+
+
+def test_a_second_fault_under_a_findings_configuration_is_reported_not_absorbed(qwen2, monkeypatch):
+    """The float32-group-mean finding covers every failure of ``zero_variance_groups_get_zero_advantage``. A trainer
+    whose equal-reward groups get an advantage of a different size (here 1e-3 added after scoring: a second bug) fails
+    the same check under the same configuration; it must be reported as a FAIL naming the finding it does not match,
+    while the clean trainer's failure stays that finding's XFAIL."""
+    from cbverify.upstream import run as run_module
+
+    finding = by_id(FLOAT32_MEAN)
+    check = "zero_variance_groups_get_zero_advantage"
+    (clean,) = [r for r in _results(finding.repro, qwen2) if r.check == check]
+    assert judge(clean, finding.repro, "qwen2") == (True, f"XFAIL({FLOAT32_MEAN})"), clean.reason
+
+    original_install = run_module.install
+
+    def faulty_install(trainer, capture):
+        score = trainer._generate_and_score_completions
+
+        def shifted(*args, **kwargs):
+            out = score(*args, **kwargs)
+            out["advantages"] = out["advantages"] + 1e-3
+            return out
+
+        trainer._generate_and_score_completions = shifted
+        original_install(trainer, capture)
+
+    monkeypatch.setattr(run_module, "install", faulty_install)
+    (faulted,) = [r for r in check_scenario(finding.repro, *qwen2) if r.check == check]
+    ok, label = judge(faulted, finding.repro, "qwen2")
+    assert faulted.status == FAIL and not ok and label.startswith(f"FAIL(not {FLOAT32_MEAN}: "), (
+        label,
+        faulted.reason,
+    )

@@ -7,10 +7,13 @@ import argparse
 import json
 
 import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from cbverify.cli import upstream
 from cbverify.upstream import matrix_checks as matrix
-from cbverify.upstream.findings import FAIL, FINDINGS, NA, PASS, SCRIPTS, CheckResult, by_id
+from cbverify.upstream.findings import FAIL, FINDINGS, NA, PASS, SCRIPTS, CheckResult, by_id, flat_groups_seen
 from cbverify.upstream.scenario import PATHS, TrainerScenario
 from cbverify.upstream.steps import CHECKS as STEP_CHECKS
 from cbverify.upstream.suite import CHECKS, DEFAULT_SCENARIOS, VLLM_SCENARIOS, judge
@@ -36,8 +39,15 @@ def test_every_finding_names_known_checks_a_path_and_one_line_of_evidence():
 def test_a_registered_failure_is_expected_and_an_unregistered_one_is_not():
     finding = by_id("cb-discards-sampler-logprobs")
     scenario = finding.repro
-    failing = CheckResult("sampler_logprobs_reach_trainer", "cb", FAIL, "dropped")
+    said = "the engine returned log-probs for 4 rows; the trainer received logprobs=None"
+    failing = CheckResult("sampler_logprobs_reach_trainer", "cb", FAIL, said)
     assert judge(failing, scenario, "llama") == (True, "XFAIL(cb-discards-sampler-logprobs)")
+    # the same check failing under the same configuration in another way is not the finding's failure
+    other = CheckResult(
+        "sampler_logprobs_reach_trainer", "cb", FAIL, "row 0: sampling_per_token_logps != the rollout's"
+    )
+    ok, label = judge(other, scenario, "llama")
+    assert not ok and label.startswith("FAIL(not cb-discards-sampler-logprobs: its reason does not match"), label
     assert judge(CheckResult("sampler_logprobs_reach_trainer", "generate", FAIL, "x"), scenario, "llama")[0] is False
     assert judge(CheckResult("loss_matches_reference", "cb", FAIL, "x"), scenario, "llama") == (False, "FAIL")
 
@@ -51,7 +61,7 @@ def test_a_registered_check_that_passes_again_is_flagged_as_possibly_fixed():
 
 def test_architecture_scoped_findings_do_not_cover_other_architectures():
     scenario = by_id("cb-bf16-generation-crashes").repro
-    crash = CheckResult("run_completes", "cb", FAIL, "IndexError")
+    crash = CheckResult("run_completes", "cb", FAIL, "trainer raised IndexError: list index out of range")
     assert judge(crash, scenario, "llama") == (True, "XFAIL(cb-bf16-generation-crashes)")
     assert judge(crash, scenario, "qwen2") == (False, "FAIL")
 
@@ -114,3 +124,73 @@ def test_the_matrix_probe_names_the_module_an_import_lacks(monkeypatch):
     monkeypatch.setattr(venvs, "PROBE", "raise ImportError('cannot import name X')")
     assert venvs._probe(Path(sys.executable), log) == (None, "ImportError: cannot import name X")
     assert "import json" in log.getvalue(), "every probe is logged"
+
+
+def _trl_float32_advantages(rewards: torch.Tensor, n: int, scale: str) -> torch.Tensor:
+    """TRL's advantages as its releases compute them, in float32: group mean, Bessel std + 1e-4 (written here from
+    TRL's documented formula, independently of the finding's model)."""
+    grouped = rewards.float().view(-1, n)
+    centred = (grouped - grouped.mean(1, keepdim=True)).flatten()
+    if scale == "none":
+        return centred
+    std = grouped.std(1).repeat_interleave(n) if scale == "group" else rewards.float().std().expand(len(rewards))
+    return centred / (std + 1e-4)
+
+
+@given(
+    value=st.floats(-50, 50, allow_nan=False, width=32).filter(lambda v: abs(v) > 1e-6),
+    n=st.integers(2, 8),
+    groups=st.integers(1, 3),
+    scale=st.sampled_from(["group", "none"]),
+    off=st.floats(0.1, 0.9),
+)
+def test_the_float32_group_mean_model_accepts_trls_rounding_and_nothing_else(value, n, groups, scale, off):
+    """The finding's model says what TRL computes for equal-reward groups: it accepts TRL's float32 advantages for
+    any drawn reward, group size and scaling where rounding made them nonzero, and refuses them moved by a fraction of
+    a rounding unit, or made unequal within a group."""
+    import math
+
+    from cbverify.upstream.findings import _float32_mean_rounding
+
+    scenario = TrainerScenario(num_generations=n, scale_rewards=scale)
+    rewards = torch.full((n * groups,), value, dtype=torch.float32)
+    got = _trl_float32_advantages(rewards, n, scale).double()
+
+    def seen(adv: torch.Tensor) -> dict:
+        parts = [slice(g * n, (g + 1) * n) for g in range(groups)]
+        return dict(flat_groups_seen([(rewards[p].tolist(), adv[p].tolist()) for p in parts]))
+
+    if bool((got == 0).any()):  # the mean rounded exactly for some group: nothing for the finding to explain there
+        return
+    assert _float32_mean_rounding(scenario, seen(got)) is None
+    unit = 2.0 ** (math.frexp(abs(value))[1] - 25) / (1.0 if scale == "none" else 1e-4)
+    assert _float32_mean_rounding(scenario, seen(got + off * unit)) is not None
+    unequal = got.clone()
+    unequal[0] += unit
+    assert _float32_mean_rounding(scenario, seen(unequal)) is not None
+
+
+@given(
+    rewards=st.lists(st.floats(-5, 5, allow_nan=False, width=32), min_size=3, max_size=3),
+    missing=st.integers(0, 2),
+)
+def test_the_unscorable_model_accepts_nansum_advantages_and_refuses_the_reference_ones(rewards, missing):
+    """TRL before 1.6 scores a None reward as 0 inside its group's statistics: the model accepts exactly that (TRL's
+    float32 formula on the rewards with 0 in place of NaN) and refuses the correct advantages (NaN row left out,
+    its advantage 0) wherever the two differ."""
+    from cbverify.upstream.findings import _unscorable_as_zero
+    from reference.advantages import compute_advantages
+
+    scenario = TrainerScenario(num_generations=3, reward="unscorable")
+    with_nan = torch.tensor(rewards, dtype=torch.float64)
+    with_nan[missing] = float("nan")
+    buggy = _trl_float32_advantages(with_nan.nan_to_num(0.0), 3, "group").double()
+    assert (
+        _unscorable_as_zero(scenario, {"rewards": tuple(with_nan.tolist()), "advantages": tuple(buggy.tolist())})
+        is None
+    )
+    right = compute_advantages(with_nan, 3, "group")
+    if not torch.allclose(right, buggy, rtol=1e-3, atol=1e-3):
+        assert _unscorable_as_zero(
+            scenario, {"rewards": tuple(with_nan.tolist()), "advantages": tuple(right.tolist())}
+        )

@@ -82,7 +82,10 @@ def load_model(args: argparse.Namespace):
     return random_like(args.model, seed=0) if args.random_model else load(args.model)
 
 
-def results_payload(rows, elapsed: float, model_name: str, model_type: str) -> dict:
+def results_payload(rows, elapsed: float, model_name: str, model_type: str, facts: dict | None = None) -> dict:
+    """The run as JSON: versions, one entry per (scenario, check) with its judged label, what each scenario exercised
+    (``facts``), and the decisiveness of every check (:mod:`cbverify.decisive`)."""
+    from cbverify.upstream import checks
     from cbverify.upstream.run import versions
     from cbverify.upstream.suite import judge
 
@@ -93,16 +96,55 @@ def results_payload(rows, elapsed: float, model_name: str, model_type: str) -> d
         )
         out.append({"check": result.check, "path": result.path, "status": result.status, "label": label, "ok": ok,
                     "scenario": result.scenario, "reason": result.reason})  # fmt: skip
-    return {"versions": versions(), "model": model_name, "elapsed_s": round(elapsed, 1), "results": out}
+    tallies = decisiveness(out)
+    by_label = {scenario.describe(): scenario for scenario, _ in rows if scenario is not None}
+    unexercised = {label: why for label, f in (facts or {}).items() if (why := checks.unexercised(by_label[label], f))}
+    import torch
+
+    return {"versions": versions(), "cpu_capability": torch.backends.cpu.get_cpu_capability(), "model": model_name,
+            "elapsed_s": round(elapsed, 1), "results": out,
+            "exercised": facts or {}, "unexercised": unexercised, "decisiveness": [t.to_json() for t in tallies],
+            "vacuous": [t.check for t in tallies if t.vacuous]}  # fmt: skip
+
+
+def decisiveness(results: list[dict]) -> list:
+    """Per check, the scenarios it judged and could not (:func:`cbverify.decisive.tally`). A NOT-APPLICABLE that
+    names another check (``(see run_completes)``) which is an expected failure in the same scenario is BLOCKED by
+    that finding: the check had nothing to judge because the registered upstream failure came first."""
+    import re
+
+    from cbverify.decisive import tally
+
+    labels = {(r["scenario"], r["check"]): r["label"] for r in results}
+    triples = []
+    for r in results:
+        status, reason = r["status"], r["reason"]
+        seen = re.search(r"\(see (\w+)\)", reason)
+        cause = labels.get((r["scenario"], seen.group(1)), "") if seen and status == "NOT-APPLICABLE" else ""
+        if cause.startswith("XFAIL("):
+            status, reason = "BLOCKED", cause[len("XFAIL(") : -1]
+        triples.append((r["check"], status, reason))
+    return tally(triples)
 
 
 def summary_table(payload: dict) -> str:
-    lines = [" ".join(f"{k} {v}" for k, v in payload["versions"].items()) + f" | model {payload['model']}", ""]
+    from cbverify.decisive import Tally, render
+
+    lines = [" ".join(f"{k} {v}" for k, v in payload["versions"].items()) + f" | model {payload['model']}"
+             + (f" | cpu {payload['cpu_capability']}" if "cpu_capability" in payload else ""), ""]  # fmt: skip
     width = max(len(r["check"]) for r in payload["results"])
     for r in payload["results"]:
         mark = "  " if r["ok"] else "!!"
         lines.append(f"{mark} {r['path']:<12} {r['check']:<{width}} {r['label']:<46} {r['reason'][:110]}")
         lines.append(f"{'':3}{'':12} {'':{width}} scenario: {r['scenario']}")
+    if payload.get("exercised"):
+        lines += ["", "what each scenario exercised:"]
+        lines += [f"  {', '.join(f'{k} {v}' for k, v in facts.items())}  <- {label}"
+                  for label, facts in payload["exercised"].items()]  # fmt: skip
+    for label, why in payload.get("unexercised", {}).items():
+        lines.append(f"!! UNEXERCISED: {'; '.join(why)}  <- {label}")
+    tallies = [_tally_from_json(t, Tally) for t in payload["decisiveness"]]
+    lines += ["", render(tallies)]
     bad = [r for r in payload["results"] if not r["ok"]]
     lines.append("")
     counts: dict[str, int] = {}
@@ -110,8 +152,16 @@ def summary_table(payload: dict) -> str:
         key = r["label"].split("(")[0]
         counts[key] = counts.get(key, 0) + 1
     lines.append(f"{len(payload['results'])} results in {payload['elapsed_s']} s: "
-                 + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) + f"; {len(bad)} unexpected")  # fmt: skip
+                 + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) + f"; {len(bad)} unexpected"
+                 + (f"; {len(payload['vacuous'])} vacuous check(s)" if payload["vacuous"] else ""))  # fmt: skip
     return "\n".join(lines)
+
+
+def _tally_from_json(data: dict, cls):
+    from collections import Counter
+
+    return cls(data["check"], data["passed"], data["failed"], Counter(data["not_applicable_reasons"]),
+               Counter(data["blocked_by"]))  # fmt: skip
 
 
 def run_in_vllm_environment(args: argparse.Namespace) -> int:
@@ -151,23 +201,29 @@ def run(args: argparse.Namespace) -> int:
         from cbverify.upstream.distributed import DISTRIBUTED_SCENARIOS, run_distributed
 
         scenarios = [replace(s, nproc=args.nproc) for s in DISTRIBUTED_SCENARIOS if args.path in (None, s.path)]
-        rows = run_distributed(scenarios, args.model, model, random_model=args.random_model, progress=not args.quiet,
-                               launcher=args.launcher)  # fmt: skip
+        rows, facts = run_distributed(scenarios, args.model, model, random_model=args.random_model,
+                                      progress=not args.quiet, launcher=args.launcher)  # fmt: skip
     else:
         if args.path == "vllm":
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in the trainer's process, as colocate
             scenarios = list(VLLM_SCENARIOS)
         else:
             scenarios = [s for s in DEFAULT_SCENARIOS if args.path in (None, s.path)]
-        rows = run_suite(model, tokenizer, scenarios, progress=not args.quiet)
+        rows, facts = run_suite(model, tokenizer, scenarios, progress=not args.quiet)
     name = "random-llama" if args.random_model else args.model
-    payload = results_payload(rows, time.perf_counter() - start, name, model.config.model_type)
+    payload = results_payload(rows, time.perf_counter() - start, name, model.config.model_type, facts)
     print(summary_table(payload))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(payload, indent=2))
         print(f"wrote {args.json}", file=sys.stderr)
-    return 0 if all(r["ok"] for r in payload["results"]) else 1
+    # a subset of the scenarios (--path) is not the set built for every check: vacuous checks are then reported only
+    vacuous = payload["vacuous"] if args.path is None else []
+    if vacuous:
+        print(f"FAIL: {len(vacuous)} check(s) judged no scenario (NOT-APPLICABLE in all): {', '.join(vacuous)}")
+    if payload["unexercised"]:
+        print(f"FAIL: {len(payload['unexercised'])} scenario(s) did not exercise what they were built for")
+    return 0 if all(r["ok"] for r in payload["results"]) and not vacuous and not payload["unexercised"] else 1
 
 
 if __name__ == "__main__":  # how run_in_vllm_environment runs it there

@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from cbverify import report
 from cbverify.checkpoint import Checkpoint, open_checkpoint
+from cbverify.decisive import render, tally, vacuous
 from cbverify.engines import (
     ENGINE_NAMES,
     LOCAL_ENGINES,
@@ -147,12 +148,16 @@ def run(args: argparse.Namespace) -> int:
     env |= _workload_summary(ckpt, workload, rollout_config)
     color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
     print(report.render_text(env, rows, color=color))
+    tallies = tally(c for r in rows if r.engine != "reference" for c in r.checks)
+    print(render(tallies, title="decisiveness over the engines"))
+    if empty := vacuous(tallies):
+        print(f"FAIL: {len(empty)} check(s) judged no engine (NOT-APPLICABLE on every one): {', '.join(empty)}")
     if args.json:
         args.json.write_text(report.to_json(env, rows))
     if args.markdown:
         args.markdown.write_text(report.render_markdown(env, rows))
     ok = all(r.status == "PASS" or r.status.startswith("XFAIL") or (r.status == "N/A" and args.allow_na) for r in rows)
-    return 0 if ok else 1
+    return 0 if ok and not empty else 1
 
 
 def _prepare(args: argparse.Namespace):

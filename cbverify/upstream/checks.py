@@ -127,6 +127,7 @@ def generation_leaves_no_trace(scenario: TrainerScenario, capture: Capture) -> l
     names = ("generation_keeps_attn_and_config", "generation_keeps_params", "generation_keeps_mode",
              "generation_keeps_rng", "generation_keeps_forward")  # fmt: skip
     found: dict[str, str] = {}
+    seen: dict[str, tuple] = {}  # what a finding's model reads: the probe's change and its scale
     for g, record in enumerate(capture.generations):
         before, after = record.before, record.after
         if after is None:
@@ -151,6 +152,9 @@ def generation_leaves_no_trace(scenario: TrainerScenario, capture: Capture) -> l
         if not torch.equal(before.probe_logits, after.probe_logits):
             diff = (before.probe_logits - after.probe_logits).abs().max().item()
             found.setdefault(names[4], f"probe forward after generation differs (max |diff| {diff:.3g})")
+            seen.setdefault(
+                names[4], (("max_abs_diff", (diff,)), ("max_abs_logit", (before.probe_logits.abs().max().item(),)))
+            )
     results = []
     for name in names:
         if not capture.generations or capture.generations[0].after is None:
@@ -158,7 +162,7 @@ def generation_leaves_no_trace(scenario: TrainerScenario, capture: Capture) -> l
         elif name == names[3] and not _rng_comparable(scenario, capture):
             results.append(_result(name, scenario, NA, "sampling via torch.multinomial advances the global RNG"))
         elif name in found:
-            results.append(_result(name, scenario, FAIL, found[name]))
+            results.append(_result(name, scenario, FAIL, found[name], seen.get(name, ())))
         else:
             results.append(_result(name, scenario, PASS, f"unchanged across {len(capture.generations)} generation(s)"))
     return results
@@ -199,6 +203,8 @@ def is_correction_applied(scenario: TrainerScenario, capture: Capture) -> list[C
     check = "is_correction_applied"
     if not scenario.is_correction:
         return [_result(check, scenario, NA, "vllm_importance_sampling_correction not enabled")]
+    if not capture.losses and capture.run_error is not None:
+        return [_result(check, scenario, NA, "the run crashed before any loss call (see run_completes)")]
     if not capture.losses:
         return [_result(check, scenario, FAIL, "no loss was computed")]
     missing = [i for i, loss in enumerate(capture.losses) if "importance_sampling_ratio" not in loss.inputs]
@@ -218,3 +224,50 @@ def mixed_precision_completes(scenario: TrainerScenario, capture: Capture) -> li
     if unfinished or not capture.losses:
         return [_result(check, scenario, FAIL, f"{len(unfinished)} unfinished request(s), {len(capture.losses)} loss")]
     return [_result(check, scenario, PASS, f"bf16: {len(capture.losses)} loss call(s), every request finished")]
+
+
+def exercised(scenario: TrainerScenario, capture: Capture) -> dict[str, int]:
+    """What the run gave the checks to judge, counted over every generation: rows, rows cut at
+    ``max_completion_length``, rows masked out for it, groups whose rewards differ (nonzero advantages) or are all
+    equal, completion tokens, and importance-sampling ratios at a clip bound. A check's PASS means as much as these
+    numbers: no truncated row, no truncation masking exercised."""
+    eos_ids = capture.trainer_info.get("eos_ids", ())
+    out = dict(rows=0, truncated=0, masked=0, groups_with_spread=0, equal_reward_groups=0, tokens=0, is_clipped=0)
+    for record in capture.generations:
+        for completion in record.completion_ids or []:
+            out["rows"] += 1
+            out["tokens"] += len(completion)
+            if not (completion and completion[-1] in eos_ids):
+                out["truncated"] += 1
+                out["masked"] += masked_as_truncated(scenario, completion, eos_ids)
+    n = scenario.num_generations
+    for rewards in capture.rewards:
+        total = rewards.nan_to_num().sum(-1)  # (B,)
+        for g in range(len(total) // n):
+            spread = bool((total[g * n : (g + 1) * n] != total[g * n]).any())
+            out["groups_with_spread" if spread else "equal_reward_groups"] += 1
+    lo, hi = scenario.is_clip_min, scenario.is_clip_max
+    for scored in capture.scored:
+        ratio = scored.get("importance_sampling_ratio")
+        if isinstance(ratio, torch.Tensor):
+            clipped = ratio >= hi if lo is None else (ratio >= hi) | (ratio <= lo)
+            out["is_clipped"] += int(clipped.sum())
+    return out
+
+
+def unexercised(scenario: TrainerScenario, facts: dict) -> list[str]:
+    """What ``scenario`` was built to exercise and its run (:func:`exercised`'s ``facts``) did not: truncation
+    masking with no row cut, importance-sampling bounds that clipped nothing where the correction was applied."""
+    if "not run" in facts:
+        return []
+    missing = []
+    if scenario.mask_truncated_completions and not facts.get("masked"):
+        missing.append("mask_truncated_completions is set but no row was cut at max_completion_length")
+    if (
+        scenario.path == "vllm"
+        and scenario.is_correction
+        and scenario.is_clip_min is not None
+        and not facts.get("is_clipped")
+    ):
+        missing.append("importance-sampling bounds are set but no ratio reached them")
+    return missing

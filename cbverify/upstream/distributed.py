@@ -29,7 +29,7 @@ import torch
 
 from cbverify.upstream.capture import Capture
 from cbverify.upstream.findings import NA, CheckResult
-from cbverify.upstream.rank_checks import RANK_CHECKS, check_ranks
+from cbverify.upstream.rank_checks import RANK_CHECKS, check_ranks, exercised
 from cbverify.upstream.scenario import TrainerScenario
 
 LAUNCH_TIMEOUT_S = 600.0
@@ -108,10 +108,12 @@ def rank_main(argv: list[str] | None = None) -> None:
     from reference.models import load, random_like
 
     torch.set_num_threads(1)
-    model, tokenizer = random_like(args.model, seed=0) if args.random_model else load(args.model)
+    scenario = scenario_from_json(args.scenario)
+    random = args.random_model or scenario.random_weights
+    model, tokenizer = random_like(args.model, seed=0) if random else load(args.model)
     recorder = RankRecorder()
     try:
-        capture = run_scenario(scenario_from_json(args.scenario), model, tokenizer, callbacks=(recorder.callback,))
+        capture = run_scenario(scenario, model, tokenizer, callbacks=(recorder.callback,))
     except Exception as err:  # the trainer could not even be built: still say what this process was
         state = PartialState()
         capture = Capture(run_error=err, trainer_info={"process_index": state.process_index, "num_processes":
@@ -194,23 +196,27 @@ def one_process_equivalent(scenario: TrainerScenario) -> TrainerScenario:
 
 
 _BASE = dict(nproc=2, num_generations=4, num_prompts=1, per_device_train_batch_size=2, top_k=3, reward="token_sum",
-             max_completion_length=6, max_grad_norm=0.0)  # fmt: skip
+             max_completion_length=6, max_grad_norm=0.0, random_weights=True)  # fmt: skip
 # Groups of 4 over 2 processes of 2 rows: every group spans both processes. No gradient clipping: a gradient of the
-# wrong size must not be clipped back to the right one. Rewards read the completion alone (token_sum).
+# wrong size must not be clipped back to the right one. Rewards read the completion alone (token_sum). Random weights:
+# near-uniform top-3 choices, so a group's members differ (nonzero advantages and gradients to compare across process
+# layouts) and two independent streams draw the same completion with a computable, tiny probability.
 DISTRIBUTED_SCENARIOS: tuple[TrainerScenario, ...] = tuple(
     TrainerScenario(**{**_BASE, **kw})
     for kw in (
         dict(path="rollout_func", rollout_backend="reference"),
-        dict(path="rollout_func", rollout_backend="cb_impl", top_entropy_quantile=0.5),
-        dict(path="generate", scale_rewards="batch", more_rewards=("length",), reward_weights=(1.0, 0.5)),
-        dict(path="cb"),
-        # rows of very unequal length: one process's completions are all truncated and masked
+        dict(path="rollout_func", rollout_backend="cb_impl", top_entropy_quantile=0.5, is_correction=True),
+        dict(path="generate", scale_rewards="batch", more_rewards=("length",), reward_weights=(1.0, 0.5), bf16=True),
+        # equal rewards (5/7 each): every group's advantages must be exactly 0 on each process's slice
+        dict(path="cb", reward="constant"),
+        # rows of unequal length, the ones cut at max_completion_length masked: the ranks hold unequal token counts
         dict(
             path="rollout_func",
             rollout_backend="reference",
             max_completion_length=12,
             mask_truncated_completions=True,
             reward="length",
+            top_k=0,
         ),
     )
 )
@@ -218,20 +224,25 @@ DISTRIBUTED_SCENARIOS: tuple[TrainerScenario, ...] = tuple(
 
 def run_distributed(scenarios, model_name: str, model, *, random_model: bool = False, progress: bool = True,
                     launcher: str = "torchrun"):  # fmt: skip
-    """``[(scenario, result)]``: each scenario on its processes and, for comparison, on one process."""
+    """``([(scenario, result)], {scenario label: what it exercised})``: each scenario on its processes and, for
+    comparison, on one process (:func:`cbverify.upstream.rank_checks.exercised`)."""
     from tqdm import tqdm
 
     from cbverify.upstream.run import not_applicable
+    from reference.models import random_like
 
-    out = []
+    out, facts = [], {}
     for scenario in tqdm(list(scenarios), desc="multi-process scenarios", disable=not progress, unit="run"):
         if reason := not_applicable(scenario):
             out += [(scenario, CheckResult(c, scenario.path, NA, reason, scenario.describe())) for c in RANK_CHECKS]
+            facts[scenario.describe()] = {"not run": reason}
             continue
         run = launch(scenario, model_name, random_model=random_model, launcher=launcher)
         one = launch(one_process_equivalent(scenario), model_name, random_model=random_model)
-        out += [(scenario, r) for r in check_ranks(scenario, run, model, one)]
-    return out
+        judged = random_like(model_name, seed=0)[0] if scenario.random_weights and not random_model else model
+        out += [(scenario, r) for r in check_ranks(scenario, run, judged, one)]
+        facts[scenario.describe()] = exercised(scenario, run)
+    return out, facts
 
 
 if __name__ == "__main__":

@@ -15,8 +15,10 @@ transformers 5.24.0).
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cbverify.upstream.scenario import TrainerScenario
@@ -34,6 +36,9 @@ class CheckResult:
     status: str
     reason: str
     scenario: str = ""
+    # what the check measured, for a finding's model of the wrong value: (name, numbers) pairs, e.g. the rewards and
+    # advantages of the groups it failed on (``observed_values`` reads them as a dict)
+    observed: tuple[tuple[str, tuple[float, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -41,10 +46,42 @@ class CheckResult:
         if "\n" in self.reason:
             object.__setattr__(self, "reason", " ".join(self.reason.split()))
 
+    @property
+    def observed_values(self) -> dict[str, tuple[float, ...]]:
+        return dict(self.observed)
 
-def scenario_result(check: str, scenario: TrainerScenario, status: str, reason: str) -> CheckResult:
+
+def scenario_result(check: str, scenario: TrainerScenario, status: str, reason: str, observed=()) -> CheckResult:
     """One check's result on ``scenario``'s path, naming the scenario."""
-    return CheckResult(check, scenario.path, status, reason, scenario.describe())
+    return CheckResult(check, scenario.path, status, reason, scenario.describe(), tuple(observed))
+
+
+def flat_groups_seen(groups: list[tuple[list[float], list[float]]]) -> tuple[tuple[str, tuple[float, ...]], ...]:
+    """The observation of ``zero_variance_groups_get_zero_advantage`` for a finding's model: the equal-reward
+    groups' rewards and the advantages TRL gave them, flattened (``group_ends``: where each group stops)."""
+    ends = tuple(float(sum(len(r) for r, _ in groups[: k + 1])) for k in range(len(groups)))
+    rewards, advantages = tuple(x for r, _ in groups for x in r), tuple(x for _, a in groups for x in a)
+    return (("rewards", rewards), ("advantages", advantages), ("group_ends", ends))
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """What a finding's wrong behaviour makes one check observe, so that a failure is excused only when it is *this*
+    failure: ``pattern``, a regular expression the check's reason must contain (the exception type and message the
+    release raises, or the wrong state it leaves, in the check's words), and optionally ``model``, the value the
+    affected release computes: ``model(scenario, observed values) -> None`` when the observation is what the release
+    computes (within tolerance), else one line saying how it differs."""
+
+    pattern: str
+    model: Callable[[object, dict], str | None] | None = None
+
+    def mismatch(self, result: CheckResult, scenario) -> str | None:
+        """``None`` when ``result`` is the predicted failure, else why it is not."""
+        if not re.search(self.pattern, result.reason):
+            return f"its reason does not match /{self.pattern}/"
+        if self.model is not None:
+            return self.model(scenario, result.observed_values)
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +101,12 @@ class Finding:
     trl: str = ""  # PEP 440 specifier of the trl versions it shows on ("" = every version seen)
     script: str = ""  # a standalone repro in cbverify/upstream/repros/ (torch, transformers, trl, datasets): exits 1
     step_checks: bool = False  # found by the optimizer-step checks (cbverify.upstream.steps), its repro run by them
+    predicts: dict[str, Prediction] = field(default_factory=dict)  # per check in ``checks``: the failure it excuses
+
+    def __post_init__(self) -> None:
+        if set(self.predicts) != set(self.checks):
+            raise ValueError(f"finding {self.id}: predicts must give one Prediction per check {self.checks}, got "
+                             f"{sorted(self.predicts)}")  # fmt: skip
 
     def covers(self, result: CheckResult, scenario, model_type: str) -> bool:
         arch_ok = not self.architectures or model_type in self.architectures
@@ -92,6 +135,93 @@ def installed_in(package: str, specifier: str) -> bool:
 def transformers_in(specifier: str) -> bool:
     """Whether the installed transformers is in a PEP 440 ``specifier`` (an empty one means every version)."""
     return installed_in("transformers", specifier)
+
+
+# Models of the wrong values registered findings compute (Prediction.model): each reads a check's observation and
+# returns None when it is what the affected release computes, else how it differs.
+FLOAT32_EPS = 2.0**-23
+TRL_STD_EPS = 1e-4  # TRL divides by std + 1e-4
+
+
+def _float32_mean_rounding(scenario, seen: dict) -> str | None:
+    """TRL's float32 group statistics on an equal-reward group of n: the mean rounds to r - d with d = k half-ulps of
+    r (k a small nonzero integer), every member deviates by that d, so the (Bessel) std is |d| sqrt(n / (n - 1)) or 0
+    and the advantage is d / (std + 1e-4) with group scaling, d without: one value for the whole
+    group, equal to one of these for some |k| <= 8 (to 1e-3, float32 arithmetic). Batch scaling divides by the
+    batch's std, which the check does not see: there only the size is predicted (d / 1e-4 at most)."""
+    rewards, advantages, ends = seen.get("rewards"), seen.get("advantages"), seen.get("group_ends")
+    if not (rewards and advantages and ends):
+        return "the check observed no equal-reward group's rewards and advantages"
+    start = 0
+    for end in (int(e) for e in ends):
+        scored = [(r, a) for r, a in zip(rewards[start:end], advantages[start:end], strict=True) if r == r]  # not NaN
+        start = end
+        values = {a for _, a in scored}
+        if len(values) != 1:
+            return f"advantages {sorted(values)} differ within one equal-reward group (rounding gives them one value)"
+        reward, advantage, n = abs(scored[0][0]), values.pop(), len(scored)
+        half_ulp = 2.0 ** (math.frexp(reward)[1] - 25) if reward else 2.0**-150
+        if scenario.scale_rewards == "batch":
+            if not 0 < abs(advantage) <= 8 * half_ulp / TRL_STD_EPS:
+                return f"advantage {advantage:.3g} is not float32 rounding of the mean over a batch std"
+            continue
+        spread = math.sqrt(n / (n - 1)) if n > 1 else 0.0
+        # torch's std takes its own mean, which may be exact where the centring mean rounded: then the std is 0
+        stds = (0.0, spread) if scenario.scale_rewards == "group" else ()
+        predicted = [k * half_ulp / (abs(k) * half_ulp * c + TRL_STD_EPS) for k in range(-8, 9) if k for c in stds]
+        predicted += [k * half_ulp for k in range(-8, 9) if k and not stds]
+        if not any(abs(advantage - p) <= 1e-3 * abs(p) for p in predicted):
+            return f"advantage {advantage:.6g} is none of the values rounding the mean of {n} x {reward:.6g} gives"
+    return None
+
+
+def _unscorable_as_zero(scenario, seen: dict) -> str | None:
+    """TRL before 1.6 sums reward functions with nansum: an unscorable (NaN) reward counts as 0 in its group's
+    statistics and gets an advantage; the advantages are the reference's for the rewards with NaN made 0."""
+    import torch
+
+    from cbverify.tolerances import TRAINER_FP32
+    from reference.advantages import compute_advantages
+
+    rewards, got = seen.get("rewards"), seen.get("advantages")
+    if not rewards or not got or len(rewards) != len(got):
+        return "the check observed no rewards and advantages of one process's rows"
+    zeroed = torch.tensor(rewards, dtype=torch.float64).nan_to_num(0.0)
+    want = compute_advantages(zeroed, scenario.num_generations, scenario.scale_rewards)
+    got_t = torch.tensor(got, dtype=torch.float64)
+    if not torch.allclose(got_t, want, rtol=TRAINER_FP32.rtol, atol=TRAINER_FP32.atol):
+        return f"advantages {got} are not the ones of rewards with NaN as 0 ({want.tolist()})"
+    return None
+
+
+def _bf16_forward(scenario, seen: dict) -> str | None:
+    """Weights cast to bfloat16 move the probe's logits by bf16 rounding: more than 0, at most 2**-4 of the largest
+    logit (16 bf16 ulps through the layers); a forward changed any other way is not this."""
+    (diff,), (scale,) = seen.get("max_abs_diff", (None,)), seen.get("max_abs_logit", (None,))
+    if diff is None or scale is None:
+        return "the check observed no probe difference"
+    return None if 0 < diff <= 2**-4 * scale else f"the probe moved by {diff:.3g}, not bf16 rounding of {scale:.3g}"
+
+
+def _bf16_logprobs(scenario, seen: dict) -> str | None:
+    """A bfloat16 copy of a float32 sampler: its processed log-probs are off the float32 reference by the bf16
+    log-prob tier (``LOW_PRECISION``), not more."""
+    from cbverify.tolerances import LOW_PRECISION
+
+    (diff,) = seen.get("max_diff_processed", (None,))
+    if diff is None:
+        return "the check observed no log-prob difference"
+    bound = LOW_PRECISION.logprob_max_abs
+    return None if diff <= bound else f"processed log-probs off by {diff:.3g}, past the bf16 tier {bound}"
+
+
+def _another_attention(scenario, seen: dict) -> str | None:
+    """The training forward runs paged attention left behind by generation: log-probs off by far more than rounding
+    (measured 0.79; at least 1e-2), not a last-bits difference."""
+    (diff,) = seen.get("max_diff", (None,))
+    if diff is None:
+        return "the check observed no log-prob difference"
+    return None if diff >= 1e-2 else f"log-probs off by {diff:.3g}, a rounding-sized difference, not another attention"
 
 
 PINNED = "transformers 5.24.0 + trl 1.16.0 (+ accelerate 1.15.0)"
@@ -126,6 +256,12 @@ FINDINGS: tuple[Finding, ...] = (
         repro=TrainerScenario(path="cb", bf16=True),
         architectures=("llama",),
         repro_model="tiny-llama-arith",
+        predicts={
+            "run_completes": Prediction(r"trainer raised IndexError: list index out of range"),
+            "mixed_precision_completes": Prediction(r"bf16 run raised IndexError: list index out of range"),
+            "no_silent_request_failure": Prediction(r"'PagedAttentionCache' object has no attribute 'float'"),
+            "completions_aligned": Prediction(r"generation \d+ returned nothing \(IndexError"),
+        },
     ),
     Finding(
         id="cb-bf16-casts-training-weights",
@@ -138,6 +274,12 @@ FINDINGS: tuple[Finding, ...] = (
         "and never casts back: all trained parameters float32 -> bfloat16 (the optimizer then updates bf16 "
         "weights); the probe forward after generation differs (max |diff| ~6e-3 on a random tiny Llama)",
         repro=TrainerScenario(path="cb", bf16=True),
+        predicts={
+            "generation_keeps_params": Prediction(
+                r"dtype torch\.float32->torch\.bfloat16, device (\S+)->\1, same object True"
+            ),
+            "generation_keeps_forward": Prediction(r"probe forward after generation differs", _bf16_forward),
+        },
     ),
     Finding(
         id="cb-forces-train-mode",
@@ -149,6 +291,7 @@ FINDINGS: tuple[Finding, ...] = (
         evidence="GRPOTrainer._generate_single_turn calls unwrapped_model.train() after generate_batch whatever the "
         "mode was: generation during evaluate() leaves the model in train mode",
         repro=TrainerScenario(path="cb", evaluate=True),
+        predicts={"generation_keeps_mode": Prediction(r"in eval mode: model\.training False -> True")},
     ),
     Finding(
         id="cb-train-mode-crashes-evaluate",
@@ -163,6 +306,9 @@ FINDINGS: tuple[Finding, ...] = (
         "dapo/cispo normaliser by current_gradient_accumulation_steps, an attribute only the training loop sets: "
         "AttributeError: no attribute 'current_gradient_accumulation_steps' (1.7 and 1.8 finish evaluate())",
         repro=TrainerScenario(path="cb", evaluate=True),
+        predicts={
+            "run_completes": Prediction(r"AttributeError: .*no attribute 'current_gradient_accumulation_steps'")
+        },
     ),
     Finding(
         id="cb-reseeds-global-rng",
@@ -177,6 +323,7 @@ FINDINGS: tuple[Finding, ...] = (
         "on every generate_batch (with the config's seed, or one drawn from the global RNG): greedy generation, "
         "which samples nothing, still replaces the global torch RNG state",
         repro=TrainerScenario(path="cb", greedy=True, loss_type="grpo", gradient_accumulation_steps=2),
+        predicts={"generation_keeps_rng": Prediction(r"global torch RNG state changed")},
     ),
     Finding(
         id="cb-discards-sampler-logprobs",
@@ -189,6 +336,9 @@ FINDINGS: tuple[Finding, ...] = (
         "GRPOTrainer._generate_single_turn sets logprobs = None on the CB path: no sampling_per_token_logps ever "
         "reaches the trainer",
         repro=TrainerScenario(path="cb", top_k=3, is_correction=True, cb_return_logprobs=True),
+        predicts={
+            "sampler_logprobs_reach_trainer": Prediction(r"log-probs for \d+ rows; the trainer received logprobs=None")
+        },
     ),
     Finding(
         id="is-correction-silently-off-without-vllm",
@@ -201,6 +351,9 @@ FINDINGS: tuple[Finding, ...] = (
         "_compute_loss: with generate(), CB or a rollout_func that returns log-probs, no importance_sampling_ratio "
         "is computed or applied and nothing warns",
         repro=TrainerScenario(path="rollout_func", top_k=3, is_correction=True, rollout_backend="reference"),
+        predicts={
+            "is_correction_applied": Prediction(r"but (\d+)/\1 loss call\(s\) got no importance_sampling_ratio")
+        },
     ),
     Finding(
         id="vllm-colocate-samples-a-float32-policy-in-bf16",
@@ -227,6 +380,10 @@ FINDINGS: tuple[Finding, ...] = (
             max_completion_length=8,
         ),
         repro_model="tiny-llama-arith",
+        predicts={
+            "sampler_logprob_semantics": Prediction(r"neither: max \|diff\| processed", _bf16_logprobs),
+            "is_weights_match_reference": Prediction(r"weight at .* is \S+, the reference's"),
+        },
     ),
     Finding(
         id="cb-drops-repetition-penalty",
@@ -243,6 +400,11 @@ FINDINGS: tuple[Finding, ...] = (
         "(supports_continuous_batching=False, drop_unsupported_processors=True) with only a logger warning: "
         "greedy CB tokens are the argmax of the unpenalised logits",
         repro=TrainerScenario(path="cb", greedy=True, repetition_penalty=1.5),
+        predicts={
+            "sampled_tokens_within_processed_support": Prediction(
+                r"token is not the argmax of the repetition_penalty=\S+ logits"
+            )
+        },
     ),
     Finding(
         id="float32-group-mean-gives-zero-variance-groups-an-advantage",
@@ -256,6 +418,9 @@ FINDINGS: tuple[Finding, ...] = (
         "(same sign for the whole group); the float64 reference gives 0",
         repro=TrainerScenario(path="generate", num_generations=3, reward="constant"),
         data_dependent=True,
+        predicts={
+            "zero_variance_groups_get_zero_advantage": Prediction(r"zero-variance group", _float32_mean_rounding)
+        },
     ),
     Finding(
         id="luspo-token-level-loss-counts-padding",
@@ -273,6 +438,7 @@ FINDINGS: tuple[Finding, ...] = (
         repro_model="tiny-llama-arith",
         data_dependent=True,
         script="luspo_token_level_loss_counts_padding.py",
+        predicts={"loss_matches_reference": Prediction(r"trainer loss \S+ != reference|dloss/dlogps differs")},
     ),
     Finding(
         id="unscorable-completion-scored-as-zero",
@@ -289,6 +455,7 @@ FINDINGS: tuple[Finding, ...] = (
         repro=TrainerScenario(path="generate", num_generations=3, reward="unscorable"),
         repro_model="tiny-llama-arith",
         script="unscorable_completion_scored_as_zero.py",
+        predicts={"advantages_match_reference": Prediction(r"advantages .* != reference", _unscorable_as_zero)},
     ),
     Finding(
         id="dapo-normaliser-is-not-the-accumulated-batch",
@@ -326,6 +493,10 @@ FINDINGS: tuple[Finding, ...] = (
         data_dependent=True,
         script="dapo_normaliser_is_not_the_accumulated_batch.py",
         step_checks=True,
+        predicts={
+            "micro_losses_match_reference": Prediction(r"a loss call returned \S+, reference"),
+            "step_gradients_match_reference": Prediction(r"\|grad - reference\| = "),
+        },
     ),
     Finding(
         id="fused-lm-head-needs-triton",
@@ -343,6 +514,10 @@ FINDINGS: tuple[Finding, ...] = (
         repro=TrainerScenario(path="generate", top_k=3, is_correction=True),
         repro_model="tiny-llama-arith",
         script="fused_lm_head_needs_triton.py",
+        predicts={
+            check: Prediction(r"raised AttributeError: 'NoneType' object has no attribute 'apply'")
+            for check in ("run_completes", "mixed_precision_completes", "step_run_completes")
+        },
     ),
     Finding(
         id="cb-leaves-paged-attention-for-training",
@@ -356,6 +531,11 @@ FINDINGS: tuple[Finding, ...] = (
         "training forward then differs (probe max |diff| 18.4) and the trainer's per-token log-probs are off the "
         "reference by up to 0.79 (fp32), i.e. the policy gradient is computed with the wrong attention",
         repro=TrainerScenario(path="cb", greedy=True, loss_type="grpo", gradient_accumulation_steps=2),
+        predicts={
+            "generation_keeps_attn_and_config": Prediction(r"attn (\S+) -> paged\|\1"),
+            "generation_keeps_forward": Prediction(r"probe forward after generation differs"),
+            "trainer_logprobs_match_reference": Prediction(r"tokens: max \|diff\|", _another_attention),
+        },
     ),
 )
 
@@ -364,11 +544,25 @@ SCRIPTS = Path(__file__).with_name("repros")
 
 
 def expected_status(result: CheckResult, scenario, model_type: str) -> str | None:
-    """The id of the finding that makes ``result`` an expected FAIL, or ``None`` (then FAIL is a real failure)."""
+    """The id of the finding whose configuration covers ``result``, or ``None`` (then FAIL is a real failure). Whether
+    a FAIL is the finding's own failure is :func:`unexplained`'s question."""
     for finding in FINDINGS:
         if finding.covers(result, scenario, model_type):
             return finding.id
     return None
+
+
+def explaining(result: CheckResult, scenario, model_type: str) -> tuple[str | None, str]:
+    """For a FAIL: ``(id, "")`` of a covering finding that predicts exactly this failure, or ``(None, why)``: ``why``
+    names every covering finding and how the observation differs from its prediction ("" when none covers it)."""
+    misses = []
+    for finding in FINDINGS:
+        if finding.covers(result, scenario, model_type):
+            why = finding.predicts[result.check].mismatch(result, scenario)
+            if why is None:
+                return finding.id, ""
+            misses.append(f"not {finding.id}: {why}")
+    return None, "; ".join(misses)
 
 
 def by_id(finding_id: str) -> Finding:

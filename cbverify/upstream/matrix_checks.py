@@ -6,7 +6,8 @@ Each step is this repository's own command run by the venv's interpreter; each g
 0. ``venv``: how the venv was made: ``pass``, ``pass(+requests)`` when modules TRL imports without declaring them
    were added (:func:`cbverify.upstream.matrix.ensure_venv`), or ``ERROR(<pip's reason>)`` when it could not be
    built (:func:`install_failed`; then nothing else runs in it);
-1. ``upstream``: ``python -m cbverify upstream --run --json`` (the trainer scenarios, judged against the registry);
+1. ``upstream``: ``python -m cbverify upstream --run --json`` (the trainer scenarios, judged against the registry;
+   a check NOT-APPLICABLE in every scenario of the release is a ``VACUOUS`` row, as bad as a failure);
 2. ``pytest``: the compatibility-layer tests (``property_tests/test_transformers_compat.py``,
    ``test_trl_compat.py``), the reference-vs-TRL loss cross-check (``test_reference_vs_trl.py``), the trainer's
    configuration space checked optimizer step by step (``test_trl_config_space.py``), every upstream
@@ -30,7 +31,7 @@ from pathlib import Path
 
 from cbverify.upstream.matrix import REPO, added_modules
 
-RANK = {"ERROR": 6, "FAIL": 5, "FIXED?": 4, "XFAIL": 3, "PASS": 2, "NOT-APPLICABLE": 1, "N/A": 1}
+RANK = {"ERROR": 6, "FAIL": 5, "VACUOUS": 5, "FIXED?": 4, "XFAIL": 3, "PASS": 2, "NOT-APPLICABLE": 1, "N/A": 1}
 SHORT = {"NOT-APPLICABLE": "n/a", "N/A": "n/a", "XFAIL": "xfail", "PASS": "pass"}
 PYTEST_TARGETS = (
     "property_tests/test_transformers_compat.py",
@@ -73,7 +74,9 @@ def upstream_rows(python: str, args, out: Path, log) -> tuple[list[dict], dict]:
     payload = _json_step("upstream", cmd, out, log, args.timeout)
     if "error" in payload:
         return [_row("upstream checks", "-", "ERROR", False)], {"error": payload["error"]}
-    return payload["results"], payload["versions"]
+    # a check that judged no scenario on this release is as bad as a failure: nothing was verified there
+    vacuous = [_row(check, "*", "VACUOUS", False) for check in payload.get("vacuous", []) if not args.path]
+    return payload["results"] + vacuous, payload["versions"]
 
 
 def pytest_rows(python: str, args, out: Path, log) -> list[dict]:

@@ -23,7 +23,7 @@ from cbverify.tolerances import (
     TRAINER_FP32_GRAD_ATOL,
 )
 from cbverify.upstream.capture import Capture
-from cbverify.upstream.findings import FAIL, NA, PASS, CheckResult
+from cbverify.upstream.findings import FAIL, NA, PASS, CheckResult, flat_groups_seen
 from cbverify.upstream.findings import scenario_result as _result
 from cbverify.upstream.scenario import TrainerScenario
 
@@ -47,8 +47,8 @@ def trainer_logprobs_match_reference(scenario: TrainerScenario, capture: Capture
     worst, mean = (float(flat.max()), float(flat.mean())) if flat.numel() else (0.0, 0.0)
     ok = worst <= BF16_MAX and mean <= BF16_MEAN if scenario.bf16 else worst <= FP32_MAX
     tier = f"bf16 tier max {BF16_MAX}/mean {BF16_MEAN}" if scenario.bf16 else f"fp32 tier max {FP32_MAX}"
-    return [_result(check, scenario, PASS if ok else FAIL,
-                    f"{flat.numel()} tokens: max |diff| {worst:.2e}, mean {mean:.2e} ({tier})")]  # fmt: skip
+    return [_result(check, scenario, PASS if ok else FAIL, f"{flat.numel()} tokens: max |diff| {worst:.2e}, mean "
+                    f"{mean:.2e} ({tier})", (("max_diff", (worst,)), ("mean_diff", (mean,))))]  # fmt: skip
 
 
 def _groups(rewards: torch.Tensor, num_generations: int) -> list[tuple[int, bool]]:
@@ -70,7 +70,7 @@ def advantages_match_reference(scenario: TrainerScenario, capture: Capture, scal
     if not capture.scored or len(capture.scored) != len(capture.rewards):
         reason = f"{len(capture.scored)} scored batches, {len(capture.rewards)} reward sets"
         return [_result(n, scenario, FAIL, reason) for n in names]
-    worst, zero_rows, varied_rows, zero_bad = 0.0, 0, 0, []
+    worst, zero_rows, varied_rows, zero_bad, zero_seen = 0.0, 0, 0, [], []
     n = scenario.num_generations
     # rewards are gathered over every process, advantages are this process's slice of them (one process: all)
     rank, world = capture.trainer_info.get("process_index", 0), capture.trainer_info.get("num_processes", 1)
@@ -87,11 +87,13 @@ def advantages_match_reference(scenario: TrainerScenario, capture: Capture, scal
             zero_rows += int(flat_row.sum())
             if (got[flat_row] != 0).any():
                 zero_bad.append(f"rewards {values[flat_row].tolist()} -> advantages {got[flat_row].tolist()}")
+                zero_seen += [(values[flat_row].tolist(), got[flat_row].tolist())]
         varied = ~flat_row
         varied_rows += int(varied.sum())
         if not torch.allclose(got[varied], expected[varied], rtol=LOSS_RTOL, atol=LOSS_ATOL):
             msg = f"advantages {got[varied].tolist()} != reference {expected[varied].tolist()}"
-            return [_result(names[0], scenario, FAIL, msg), _result(names[1], scenario, NA, "not reached")]
+            seen = (("rewards", tuple(values.tolist())), ("advantages", tuple(got.tolist())))
+            return [_result(names[0], scenario, FAIL, msg, seen), _result(names[1], scenario, NA, "not reached")]
         if varied.any():
             worst = max(worst, float((got[varied] - expected[varied]).abs().max()))
     first = (_result(names[0], scenario, PASS, f"{varied_rows} rows in varied groups, max |diff| {worst:.1e}")
@@ -99,7 +101,16 @@ def advantages_match_reference(scenario: TrainerScenario, capture: Capture, scal
     if not zero_rows:
         return [first, _result(names[1], scenario, NA, "no group with equal rewards")]
     if zero_bad:
-        return [first, _result(names[1], scenario, FAIL, f"{len(zero_bad)} zero-variance group(s): {zero_bad[0]}")]
+        return [
+            first,
+            _result(
+                names[1],
+                scenario,
+                FAIL,
+                f"{len(zero_bad)} zero-variance group(s): {zero_bad[0]}",
+                flat_groups_seen(zero_seen),
+            ),
+        ]
     return [first, _result(names[1], scenario, PASS, f"{zero_rows} rows in zero-variance groups, all exactly 0")]
 
 

@@ -9,8 +9,9 @@ its advantages its slice of them) and the checks that only exist across ranks (:
   exactly ``num_generations`` times, ranks hold equal shares, and every rank saw the same gathered rewards;
 - ``ranks_weights_identical``: after every optimizer step the parameters are bit-identical on every rank;
 - ``ranks_sample_distinct_streams``: sampled scenarios only; two rows of one prompt on two ranks must not draw the
-  same completion because the ranks share a stream (two ranks' torch RNG states at a generation, and any pair of
-  same-prompt rows at the same local position with identical completions on every such pair);
+  same completion because the ranks share a stream (two ranks' torch RNG states at a generation, and same-prompt
+  rows at the same local position identical on every such pair where chance makes that unlikely enough: its
+  false-alarm probability is computed from the model, NOT-APPLICABLE above ``STREAM_ALPHA``);
 - ``ranks_match_one_process``: the N-process step against one process training the same global batch (``nproc``
   times the prompts per device): the same gathered rewards and, where the completions are the same, the gradient of
   each optimizer step within the float32 trainer tier (``TRAINER_FP32_PARAM_GRAD``) of the gradient's size;
@@ -20,16 +21,19 @@ its advantages its slice of them) and the checks that only exist across ranks (:
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from typing import TYPE_CHECKING
 
 import torch
 
-from cbverify.tolerances import TRAINER_FP32_PARAM_GRAD, TRAINER_METRIC
+from cbverify.tolerances import STREAM_ALPHA, TRAINER_FP32_PARAM_GRAD, TRAINER_METRIC
 from cbverify.upstream.capture import Capture
+from cbverify.upstream.checks import masked_as_truncated
 from cbverify.upstream.findings import FAIL, NA, PASS, CheckResult
 from cbverify.upstream.findings import scenario_result as _result
 from cbverify.upstream.scenario import TrainerScenario
+from reference.spec import SamplingParams
 
 if TYPE_CHECKING:
     from cbverify.upstream.distributed import Launch
@@ -73,10 +77,27 @@ def check_ranks(scenario: TrainerScenario, run: Launch, model, one: Launch | Non
         really_distributed(scenario, captures),
         cover_the_global_batch(scenario, captures),
         weights_identical(scenario, run),
-        distinct_streams(scenario, run),
+        distinct_streams(scenario, run, model),
         *match_one_process(scenario, run, one),
     ]
     return out
+
+
+def exercised(scenario: TrainerScenario, run: Launch) -> dict:
+    """What the ranks gave the checks (:func:`cbverify.upstream.checks.exercised` summed over ranks) and the
+    completion tokens each rank trained on (rows masked for truncation left out): unequal counts are what tell a
+    global token normaliser from a per-rank one."""
+    from cbverify.upstream.checks import exercised as one_capture
+
+    per_rank = [one_capture(scenario, record["capture"]) for record in run.ranks]
+    total = {k: sum(e[k] for e in per_rank) for k in per_rank[0]} if per_rank else {}
+    # the rewards are gathered: every rank sees every group, so count the groups once
+    for key in ("groups_with_spread", "equal_reward_groups"):
+        total[key] = per_rank[0][key] if per_rank else 0
+    eos = run.ranks[0]["capture"].trainer_info.get("eos_ids", ()) if run.ranks else ()
+    trained = [sum(len(c) for g in record["capture"].generations for c in g.completion_ids or []
+                   if not masked_as_truncated(scenario, c, eos)) for record in run.ranks]  # fmt: skip
+    return {**total, "trained_tokens_per_rank": trained}
 
 
 def really_distributed(scenario: TrainerScenario, captures: list[Capture]) -> CheckResult:
@@ -132,7 +153,15 @@ def weights_identical(scenario: TrainerScenario, run: Launch) -> CheckResult:
     return _result(check, scenario, PASS, f"bit-identical on every rank after each of {steps} step(s)")
 
 
-def distinct_streams(scenario: TrainerScenario, run: Launch) -> CheckResult:
+def distinct_streams(scenario: TrainerScenario, run: Launch, model) -> CheckResult:
+    """Two ranks must not sample from one stream: their torch RNG states at each generation differ (paths that sample
+    with it), and same-prompt rows at the same local position on two ranks are not all identical.
+
+    The second part is statistical. Under independent streams, row ``b`` equals row ``a`` with probability ``p(a)``,
+    the processed probability of ``a``'s completion (the scenario's temperature and cuts, from ``model``), so all
+    pairs agree by chance with probability ``prod p(a)``: the false alarm of calling that a shared stream. Where it
+    exceeds :data:`~cbverify.tolerances.STREAM_ALPHA` (a peaked model: groups that sample one completion anyway) the
+    check cannot tell and says NOT-APPLICABLE with the number; a shared stream draws the same tokens (power 1)."""
     check = "ranks_sample_distinct_streams"
     if scenario.greedy:
         return _result(check, scenario, NA, "greedy: nothing is drawn")
@@ -143,19 +172,41 @@ def distinct_streams(scenario: TrainerScenario, run: Launch) -> CheckResult:
             return _result(check, scenario, FAIL, f"generation {k}: two ranks start sampling from the same torch RNG "
                            "state")  # fmt: skip
     captures = [record["capture"] for record in run.ranks]
-    pairs = identical = 0
+    pairs: list[tuple[list[int], list[int], list[int]]] = []  # (prompt ids, row a, row b)
     for k in range(min(len(c.generations) for c in captures)):
-        rows = [(r, i, json.dumps(p, default=str), tuple(c.generations[k].completion_ids[i]))
+        rows = [(r, i, json.dumps(p, default=str), c.generations[k].prompt_ids[i], c.generations[k].completion_ids[i])
                 for r, c in enumerate(captures) for i, p in enumerate(c.generations[k].prompts)]  # fmt: skip
-        for a in rows:
-            for b in rows:
-                if a[0] < b[0] and a[1] == b[1] and a[2] == b[2]:  # same prompt, same local row, different ranks
-                    pairs += 1
-                    identical += a[3] == b[3]
-    if pairs and identical == pairs:
-        return _result(check, scenario, FAIL, f"all {pairs} same-prompt row pairs at the same position on different "
-                       "ranks drew identical completions: the ranks share a sampling stream")  # fmt: skip
-    return _result(check, scenario, PASS, f"{identical}/{pairs} same-prompt row pairs across ranks identical")
+        pairs += [(a[3], a[4], b[4]) for a in rows for b in rows if a[0] < b[0] and a[1] == b[1] and a[2] == b[2]]
+    if not pairs:
+        return _result(check, scenario, NA, "no same-prompt rows at the same position on two ranks")
+    identical = sum(a == b for _, a, b in pairs)
+    chance = math.exp(sum(_log_chance(model, scenario, prompt, a) for prompt, a, _ in pairs))
+    said = f"{identical}/{len(pairs)} same-prompt row pairs across ranks identical"
+    if chance > STREAM_ALPHA:
+        return _result(check, scenario, NA, f"{said}; underpowered: independent streams draw all {len(pairs)} pairs "
+                       f"alike with probability {chance:.2g} > {STREAM_ALPHA:g} (a peaked model)")  # fmt: skip
+    if identical == len(pairs):
+        return _result(check, scenario, FAIL, f"all {len(pairs)} same-prompt row pairs at the same position on "
+                       f"different ranks drew identical completions (chance under independent streams {chance:.2g}):"
+                       " the ranks share a sampling stream")  # fmt: skip
+    return _result(check, scenario, PASS, f"{said} (all alike by chance: {chance:.2g})")
+
+
+def _log_chance(model, scenario: TrainerScenario, prompt: list[int], completion: list[int]) -> float:
+    """log P(an independent draw equals ``completion``) under the scenario's sampling, from the model's float32
+    logits: per token p_T(token) / p_T(kept set). Equal to the processed probability where the token is kept, and
+    still defined where a low-precision sampler kept a token the float32 cut drops."""
+    from reference.generate import process_logits
+    from reference.logprobs import completion_logits
+
+    sampling = SamplingParams(temperature=scenario.temperature, top_k=scenario.top_k, top_p=scenario.top_p,
+                              min_p=scenario.min_p, max_new_tokens=scenario.max_completion_length)  # fmt: skip
+    total = 0.0
+    for token, row in zip(completion, completion_logits(model, prompt, completion), strict=True):
+        full = torch.log_softmax(row.double() / scenario.temperature, -1)
+        kept = torch.isfinite(process_logits(row, sampling))
+        total += float(full[token] - torch.logsumexp(full[kept], -1))
+    return total
 
 
 def match_one_process(scenario: TrainerScenario, run: Launch, one: Launch | None) -> list[CheckResult]:

@@ -131,7 +131,8 @@ def sampler_logprob_semantics(scenario: TrainerScenario, capture: Capture, model
         return [_result(check, scenario, PASS, f"processed (max |diff| {d_proc:.1e}); {gap_text}")]
     if d_full <= tol:
         return [_result(check, scenario, PASS, f"full-support (max |diff| {d_full:.1e}); {gap_text}")]
-    return [_result(check, scenario, FAIL, f"neither: max |diff| processed {d_proc:.2e}, full {d_full:.2e}")]
+    seen = (("max_diff_processed", (d_proc,)), ("max_diff_full", (d_full,)))
+    return [_result(check, scenario, FAIL, f"neither: max |diff| processed {d_proc:.2e}, full {d_full:.2e}", seen)]
 
 
 def is_weights_match_reference(scenario: TrainerScenario, capture: Capture, model, trainer_args: dict):

@@ -82,6 +82,9 @@ class TrainerScenario:
     sampler_noise: float = 0.0  # vllm path: std of the seeded noise on the sampler's copy of the weights
     sampler_dtype: str | None = None  # vllm path: None = as TRL builds vLLM (dtype "auto"); else forced (our patch)
     nproc: int = 1  # data-parallel processes (cbverify.upstream.distributed); batch sizes are per process
+    # the model's architecture and tokenizer with seeded random weights (reference.models.random_like, seed 0): a
+    # trained checkpoint can be confident enough that a group's members sample one completion (zero advantages)
+    random_weights: bool = False
 
     def __post_init__(self) -> None:
         checks = [

@@ -13,7 +13,7 @@ from collections import Counter
 import torch
 
 from cbverify.tolerances import TRAINER_FP32, TRAINER_FP32_PARAM_GRAD, TRAINER_METRIC
-from cbverify.upstream.findings import FAIL, NA, PASS, CheckResult
+from cbverify.upstream.findings import FAIL, NA, PASS, CheckResult, flat_groups_seen
 from cbverify.upstream.findings import scenario_result as _result
 from cbverify.upstream.recording import Generation, LossCall, Record
 from cbverify.upstream.scenario import TrainerScenario
@@ -153,7 +153,7 @@ def _check_advantages(scenario: TrainerScenario, record: Record, model) -> list[
     rows of groups whose rewards are all equal (or all unscored) get exactly 0 (not checked where RLOO normalises
     advantages over the batch, which moves every advantage by the batch mean)."""
     names = ("advantages_match_reference", "zero_variance_groups_get_zero_advantage")
-    n, worst, varied, flat, bad = scenario.num_generations, 0.0, 0, 0, []
+    n, worst, varied, flat, bad, seen = scenario.num_generations, 0.0, 0, 0, [], []
     for g, (generation, kl) in enumerate(zip(record.generations, rloo_kl(scenario, record, model), strict=True)):
         want, got = reference_advantages(scenario, generation, kl), generation.advantages.double()
         if got.shape != want.shape:
@@ -166,6 +166,7 @@ def _check_advantages(scenario: TrainerScenario, record: Record, model) -> list[
                 flat += n
                 if (got[rows] != 0).any():
                     bad.append(f"generation {g} rewards {group.tolist()} -> advantages {got[rows].tolist()}")
+                    seen.append((group.tolist(), got[rows].tolist()))
                 if not scenario.normalize_advantages:
                     continue
             varied += n
@@ -185,7 +186,10 @@ def _check_advantages(scenario: TrainerScenario, record: Record, model) -> list[
     if not flat:
         return [first, _result(names[1], scenario, NA, "no group with equal rewards")]
     if bad:
-        return [first, _result(names[1], scenario, FAIL, f"{len(bad)} zero-variance group(s): {bad[0]}")]
+        return [
+            first,
+            _result(names[1], scenario, FAIL, f"{len(bad)} zero-variance group(s): {bad[0]}", flat_groups_seen(seen)),
+        ]
     return [first, _result(names[1], scenario, PASS, f"{flat} rows in zero-variance groups, all exactly 0")]
 
 

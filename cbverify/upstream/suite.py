@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from cbverify.upstream import checks, numerics, sampler_checks
 from cbverify.upstream.capture import Capture
-from cbverify.upstream.findings import FAIL, NA, PASS, CheckResult, by_id, expected_status
+from cbverify.upstream.findings import FAIL, NA, PASS, CheckResult, by_id, expected_status, explaining
 from cbverify.upstream.run import not_applicable, run_scenario
 from cbverify.upstream.scenario import TrainerScenario
 from reference.loss import IS_MODES
@@ -77,12 +77,17 @@ def _not_reached(scenario: TrainerScenario, *names: str) -> list[CheckResult]:
 
 
 def judge(result: CheckResult, scenario: TrainerScenario, model_type: str) -> tuple[bool, str]:
-    """``(ok, label)``: label is PASS / NOT-APPLICABLE / XFAIL(<finding>) / FAIL / FIXED?(<finding>).
+    """``(ok, label)``: label is PASS / NOT-APPLICABLE / XFAIL(<finding>) / FAIL / FIXED?(<finding>). A FAIL is
+    XFAIL only when a covering finding predicts it (:class:`~cbverify.upstream.findings.Prediction`); a FAIL that a
+    finding covers but does not predict is ``FAIL(not <finding>: <how it differs>)``, a failure of the run.
 
     ``model_type`` is the model's ``config.model_type`` (some findings affect one architecture only)."""
     finding = expected_status(result, scenario, model_type)
     if result.status == FAIL:
-        return (True, f"XFAIL({finding})") if finding else (False, "FAIL")
+        explained, why = explaining(result, scenario, model_type)
+        if explained:
+            return True, f"XFAIL({explained})"
+        return False, f"FAIL({why})" if why else "FAIL"
     if finding and result.status != NA and not by_id(finding).data_dependent:
         return False, f"FIXED?({finding})"
     return True, result.status
@@ -155,12 +160,20 @@ def greedy_agreement(model, tokenizer, base: TrainerScenario = GREEDY_AGREEMENT)
 
 
 def run_suite(model, tokenizer, scenarios: Iterable[TrainerScenario] = DEFAULT_SCENARIOS, progress: bool = True):
-    """``[(scenario or None, result)]`` for every default scenario and check, plus the greedy agreement."""
+    """``([(scenario or None, result)], {scenario label: what it exercised})`` for every default scenario and check,
+    plus the greedy agreement (:func:`cbverify.upstream.checks.exercised` counts what each run gave the checks)."""
     from tqdm import tqdm
 
     scenarios = list(scenarios)
     out: list[tuple[TrainerScenario | None, CheckResult]] = []
+    facts: dict[str, dict] = {}
     for scenario in tqdm(scenarios, desc="upstream scenarios", disable=not progress, unit="run"):
-        out += [(scenario, r) for r in check_scenario(scenario, model, tokenizer)]
+        if reason := not_applicable(scenario):
+            out += [(scenario, CheckResult(n, scenario.path, NA, reason, scenario.describe())) for n in CHECKS]
+            facts[scenario.describe()] = {"not run": reason}
+            continue
+        capture = run_scenario(scenario, model, tokenizer)
+        out += [(scenario, r) for r in check_capture(scenario, capture, model)]
+        facts[scenario.describe()] = checks.exercised(scenario, capture)
     out.append((None, greedy_agreement(model, tokenizer)))
-    return out
+    return out, facts
