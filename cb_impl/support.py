@@ -62,8 +62,10 @@ def unsupported_features(cfg: object) -> list[str]:
 
 def mask_window(cfg: object, layer: int) -> int | None:
     """The window transformers' mask builder gives layer ``layer`` (for a model that passes no ``sliding_window``):
-    ``cfg.sliding_window`` on the layers ``cfg.layer_types`` marks sliding, on all of them without ``layer_types``."""
-    types = getattr(cfg, "layer_types", None)
+    ``cfg.sliding_window`` on the layers ``cfg.layer_types`` marks sliding, on all of them without ``layer_types``
+    (a ``layer_types`` its config class does not declare is a stray attribute the model never reads)."""
+    fields = getattr(type(cfg), "__dataclass_fields__", None)
+    types = getattr(cfg, "layer_types", None) if fields is None or "layer_types" in fields else None
     return getattr(cfg, "sliding_window", None) if not types or types[layer] == "sliding_attention" else None
 
 
