@@ -21,6 +21,7 @@ Oracle: the reference's processed distribution (``reference.generate.process_log
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -49,6 +50,7 @@ class NodeTest:
     worst_token: int
     observed: int
     expected: float
+    bins: int = 0  # chi-square bins (1: the node can only catch a token outside the support)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +65,28 @@ class DistributionResult:
     def passed(self) -> bool:
         return not self.rejected
 
+    def power(self) -> str:
+        """The test's power on this model and config, in one line: per node, the smallest shift of the distribution
+        (Cohen's w, the root of sum (p1 - p0)^2 / p0 over the bins) it detects with 80% probability at the strictest
+        Holm level ``alpha / tests``; the best node's and the median node's, and how many nodes had one bin (a
+        near-deterministic position: only a token outside the support can fail there)."""
+        if not self.tests:
+            return "no node test: no power"
+        level = self.alpha / len(self.tests)
+        ws = sorted(detectable_effect(t.num_samples, t.bins, level) for t in self.tests)
+        single = sum(t.bins < 2 for t in self.tests)
+        finite = [w for w in ws if w < math.inf]
+        if not finite:
+            return f"every one of {len(ws)} nodes has one bin: only tokens outside the support can fail"
+        best, median = finite[0], finite[len(finite) // 2]
+        return (
+            f"80% power against a shift of w >= {best:.2f} at the best node, {median:.2f} at the median; {single} "
+            "one-bin node(s)"
+        )
+
     def describe(self) -> str:
-        lines = [f"{len(self.tests)} node tests, Holm family-wise alpha {self.alpha:g}: {len(self.rejected)} rejected"]
+        head = f"{len(self.tests)} node tests, Holm family-wise alpha {self.alpha:g}: {len(self.rejected)} rejected"
+        lines = [f"{head}; {self.power()}"]
         for t in self.rejected[:5]:
             lines.append(
                 f"  request {t.request_id!r} position {t.position} prefix {list(t.prefix)}: p={t.p_value:.3g} "
@@ -79,15 +101,10 @@ def replicate(request: RolloutRequest, num_samples: int) -> list[RolloutRequest]
     return [replace(request, request_id=f"{rid}#{k}", seed=request.seed + k) for k in range(num_samples)]
 
 
-def chi_square_node(observed: Counter, probs: torch.Tensor) -> tuple[float, int, int, float]:
-    """``(p_value, worst_token, observed, expected)`` for counts ``observed`` against probabilities ``probs`` (V,)."""
-    n = sum(observed.values())
-    expected = probs.double().cpu() * n  # (V,)
-    outside = [t for t in observed if expected[t] == 0]
-    if outside:
-        return 0.0, outside[0], observed[outside[0]], 0.0
-    # Bins: tokens in decreasing expected count, each bin closed once it expects >= MIN_EXPECTED; a short last bin is
-    # merged into the previous one. Frequent tokens get a bin each, rare ones are pooled with their neighbours.
+def chi_square_bins(expected: torch.Tensor) -> tuple[list[int], list[list[int]]]:
+    """``(support, bins)`` for expected counts (V,): tokens in decreasing expected count, each bin closed once it
+    expects >= MIN_EXPECTED; a short last bin is merged into the previous one. Frequent tokens get a bin each, rare
+    ones are pooled with their neighbours."""
     support = sorted((t for t in range(len(expected)) if expected[t] > 0), key=lambda t: -float(expected[t]))
     bins: list[list[int]] = [[]]
     for t in support:
@@ -97,6 +114,31 @@ def chi_square_node(observed: Counter, probs: torch.Tensor) -> tuple[float, int,
     if len(bins) > 1 and float(expected[bins[-1]].sum()) < MIN_EXPECTED:
         last = bins.pop()
         bins[-1] += last
+    return support, bins
+
+
+def detectable_effect(num_samples: int, bins: int, level: float, power: float = 0.8) -> float:
+    """The smallest effect (Cohen's w) a chi-square test of ``bins`` bins on ``num_samples`` samples detects with
+    probability ``power`` at ``level``: the noncentrality n w^2 at which the noncentral chi-square passes the critical
+    value that often; infinite for one bin (no chi-square test)."""
+    from scipy.optimize import brentq
+
+    if bins < 2 or num_samples < 1:
+        return math.inf
+    df = bins - 1
+    critical = stats.chi2.isf(level, df)
+    noncentrality = brentq(lambda lam: stats.ncx2.sf(critical, df, lam) - power, 1e-9, 1e7)
+    return math.sqrt(noncentrality / num_samples)
+
+
+def chi_square_node(observed: Counter, probs: torch.Tensor) -> tuple[float, int, int, float]:
+    """``(p_value, worst_token, observed, expected)`` for counts ``observed`` against probabilities ``probs`` (V,)."""
+    n = sum(observed.values())
+    expected = probs.double().cpu() * n  # (V,)
+    outside = [t for t in observed if expected[t] == 0]
+    if outside:
+        return 0.0, outside[0], observed[outside[0]], 0.0
+    support, bins = chi_square_bins(expected)
     f_obs = [float(sum(observed.get(t, 0) for t in b)) for b in bins]
     f_exp = [float(expected[b].sum()) for b in bins]
     residuals = {t: abs(observed.get(t, 0) - float(expected[t])) / float(expected[t]) ** 0.5 for t in support}
@@ -123,7 +165,9 @@ def node_tests(model, request: RolloutRequest, samples: Sequence[Rollout], *, mi
         logits = ref_logprobs.completion_logits(model, request.prompt_ids, [*prefix, 0])[-1]  # (V,)
         probs = process_logits(logits, request.sampling).exp()  # (V,)
         p, worst, obs, exp = chi_square_node(counts, probs)
-        tests.append(NodeTest(request.request_id, len(prefix), prefix, sum(counts.values()), p, worst, obs, exp))
+        n = sum(counts.values())
+        bins = len(chi_square_bins(probs.double().cpu() * n)[1])
+        tests.append(NodeTest(request.request_id, len(prefix), prefix, n, p, worst, obs, exp, bins))
     return tests
 
 

@@ -127,6 +127,7 @@ def evaluate_engine(
     if dist_requests and not caps.spec_sampling:
         result: DistributionResult = distribution_test(engine, model, dist_requests, num_samples=dist_samples)
         row.distribution = f"{len(result.tests) - len(result.rejected)}/{len(result.tests)} ok"
+        row.notes.append(f"distribution test: {result.power()}")
         if not result.passed:
             row.problems.append("sampling distribution: " + result.describe())
         row.checks.append(("distribution", "PASS" if result.passed else "FAIL", f"{len(result.tests)} node tests")
