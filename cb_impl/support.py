@@ -13,6 +13,7 @@ attention sinks (``s_aux``), as transformers passes them. Anything else that mix
 - ``attention_chunk_size``: chunked attention (Llama 4), a mask transformers builds and cb_impl does not;
 - multi-head latent attention (DeepSeek-V3's ``kv_lora_rank``): keys and values of another shape than the cache's;
 - ALiBi position biases (BLOOM, MPT, Falcon with ``alibi``): passed as a mask, which cb_impl does not receive;
+- attention temperature tuning on NoPE layers (Llama 4): it scales queries by positions counted from a cache;
 - (in ``cb_impl.attention``) a model whose attention does not go through transformers' ``AttentionInterface``.
 
 Oracle of the verdict: the architecture zoo (``cbverify.zoo``) runs every architecture, and every combination of
@@ -57,6 +58,9 @@ def unsupported_features(cfg: object) -> list[str]:
         found.append("multi-head latent attention (kv_lora_rank): its keys/values do not have the config's head shape")
     if _alibi(cfg):
         found.append("ALiBi position biases")
+    if getattr(cfg, "attn_temperature_tuning", False) and 0 in (getattr(cfg, "no_rope_layers", None) or ()):
+        found.append("attention temperature tuning on NoPE layers: its query scale counts positions from a cache "
+                     "(0 without one), not the positions of the packed forward")  # fmt: skip
     return found
 
 

@@ -44,14 +44,9 @@ def row_seed(base_seed: int, step: int, row: int) -> int:
     return (base_seed * 1_000_003 + step * 10_007 + row) % MAX_SEED
 
 
-def make_rollout_func(
-    model: torch.nn.Module | None = None,
-    tokenizer: Any = None,
-    *,
-    config: EngineConfig | None = None,
-    seed: int = 0,
-    engine: Any = None,
-) -> RolloutFunc:
+def make_rollout_func(model: torch.nn.Module | None = None, tokenizer: Any = None, *,
+                      config: EngineConfig | None = None, seed: int = 0,
+                      engine: Any = None) -> RolloutFunc:  # fmt: skip
     """``rollout_func(prompts, trainer)`` for ``GRPOTrainer``. ``model``/``tokenizer`` default to the trainer's;
     ``engine`` reuses an existing engine (anything with ``generate(requests) -> rollouts`` in request order, e.g. the
     oracle in ``cbverify.upstream.rollout``). The engine in use is exposed as ``rollout_func.engine``."""
