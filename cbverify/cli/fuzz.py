@@ -14,6 +14,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="transformers-cb",
         help="vllm runs in its own environment (cbverify env build vllm), ~10 s per case",
     )
+    parser.add_argument(
+        "--entry",
+        choices=("manager", "generate_batch"),
+        default="manager",
+        help="transformers-cb: drive the manager's request API, or call model.generate_batch as TRL does",
+    )
     parser.add_argument("--model", default="tiny-llama-arith", help="bundled name or local checkpoint (float32)")
     parser.add_argument("--examples", type=int, default=50, help="cases to draw (~4 s each for transformers-cb)")
     parser.add_argument("--seed", type=int, default=0)
@@ -35,12 +41,19 @@ def run(args) -> int:
         if (why := envs.problem("vllm")) is not None:
             print(f"cbverify fuzz --engine vllm: NOT-APPLICABLE: {why}")
             return 0
+    if args.entry == "generate_batch" and args.engine != "transformers-cb":
+        print(f"cbverify fuzz: --entry generate_batch is transformers CB's entry point, not {args.engine}'s")
+        return 2
     torch.set_num_threads(1)
     model, _ = load(args.model)
-    report = explore(model, args.engine, model_name=args.model, examples=args.examples, seed=args.seed)
-    print(f"cbverify fuzz --engine {args.engine}: {report.examples} examples in {report.seconds:.1f}s")
+    report = explore(model, args.engine, model_name=args.model, examples=args.examples, seed=args.seed,
+                     entry=args.entry)  # fmt: skip
+    entry = f" --entry {args.entry}" if args.entry != "manager" else ""
+    print(f"cbverify fuzz --engine {args.engine}{entry}: {report.examples} examples in {report.seconds:.1f}s")
     print("explored:", ", ".join(f"{k} {v}" for k, v in sorted(report.explored.items())))
     print("configs: ", ", ".join(f"{k} {v}" for k, v in sorted(report.configs.items())))
+    if report.decisive:  # generate_batch: in how many cases each check could fail, and did
+        print("checks:  ", ", ".join(f"{k} {v} ({report.failed[k]} FAIL)" for k, v in sorted(report.decisive.items())))
     for cls in report.classes.values():
         if args.out is not None:
             cls = shrink(model, cls, budget=args.shrink_runs)
@@ -55,7 +68,8 @@ def run(args) -> int:
     if args.json is not None:
         classes = [{"check": c.check, "finding": c.finding, "examples": c.examples, "detail": c.detail[:300]}
                    for c in report.classes.values()]  # fmt: skip
-        payload = {"engine": args.engine, "examples": report.examples, "seconds": round(report.seconds, 1),
-                   "explored": dict(report.explored), "classes": classes}  # fmt: skip
+        payload = {"engine": args.engine, "entry": args.entry, "examples": report.examples,
+                   "seconds": round(report.seconds, 1), "explored": dict(report.explored), "classes": classes,
+                   "decisive": dict(report.decisive), "failed": dict(report.failed)}  # fmt: skip
         args.json.write_text(json.dumps(payload, indent=2))
     return 1 if report.unregistered else 0

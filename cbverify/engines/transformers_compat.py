@@ -17,6 +17,11 @@ Everything of transformers CB that cbverify touches and that changed between 5.8
 - ``manager.pause()`` (a context manager holding the generation loop while the caller changes the model) exists from
   5.18.
 
+``model.generate_batch`` (the entry point TRL calls) is read off its signature (:data:`BATCH_PARAMETERS`): a keyword
+the installed release does not name is refused by :func:`batch_kwargs` (``persistent_manager``, ``warmup``, ...);
+``destroy_cached_manager`` drops the manager a ``persistent_manager=True`` call cached on the model; the defaults a
+``GenerationConfig`` field left unset takes (:func:`generation_defaults`) are the release's own table.
+
 Read off every minor release's newest patch (``cbverify matrix --all-minors 5.8`` builds them all).
 
 Callers use the current names (``page_size``, ...). A field the installed release does not have is refused with
@@ -26,6 +31,7 @@ dropped. Nothing here is a private API that is not checked for first.
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 
 import transformers
@@ -109,3 +115,54 @@ def count_evictions():
         yield counter
     finally:
         setattr(cls, name, original)
+
+
+def _batch_parameters() -> frozenset[str]:
+    from transformers.generation.utils import GenerationMixin
+
+    batch = getattr(GenerationMixin, "generate_batch", None)
+    return frozenset(inspect.signature(batch).parameters) - {"self", "kwargs"} if batch else frozenset()
+
+
+BATCH_PARAMETERS: frozenset[str] = _batch_parameters()  # generate_batch's named parameters ({} if it has none)
+
+
+def batch_kwargs(**options) -> dict:
+    """``generate_batch`` keyword arguments for the installed release: a named parameter it lacks is refused with
+    :class:`MissingFeature` (naming the release) unless its value is the default (``None`` / ``False``)."""
+    if not BATCH_PARAMETERS:
+        raise MissingFeature(f"transformers {VERSION}: no generate_batch")
+    out = {}
+    for name, value in options.items():
+        if name in BATCH_PARAMETERS:
+            out[name] = value
+        elif value not in (None, False):
+            raise MissingFeature(f"transformers {VERSION}: generate_batch has no {name!r} (asked {value!r})")
+    return out
+
+
+def cached_manager(model):
+    """The manager a ``generate_batch(persistent_manager=True)`` call left cached on ``model``, or ``None``."""
+    return getattr(model, "_cached_continuous_batching_manager", None)
+
+
+def destroy_cached_manager(model) -> None:
+    """Drop the manager a ``generate_batch(persistent_manager=True)`` call cached on ``model`` (stopping it)."""
+    if hasattr(model, "destroy_cached_continuous_batching_manager"):
+        model.destroy_cached_continuous_batching_manager()
+    elif getattr(model, "_cached_continuous_batching_manager", None) is not None:  # a release without the method
+        manager = model._cached_continuous_batching_manager
+        if manager.is_running():
+            manager.stop(block=True)
+        destroy(manager)
+        del model._cached_continuous_batching_manager
+
+
+def generation_defaults() -> dict:
+    """What a ``GenerationConfig`` field left unset (``None``) takes in ``generate()``, by the installed release's own
+    rule: its ``_get_default_generation_params()`` table where it has one (the class docstring names it), else the
+    values a bare ``GenerationConfig()`` carries (releases whose constructor still filled the defaults in)."""
+    from transformers import GenerationConfig
+
+    table = getattr(GenerationConfig, "_get_default_generation_params", None)
+    return dict(table()) if table is not None else GenerationConfig().to_dict()

@@ -6,6 +6,13 @@ A :class:`FuzzCase` is what the fuzzer draws, what a failure is shrunk over and 
 puts in the ``GenerationConfig`` (``do_sample``, ``min_new_tokens``, ``repetition_penalty``, ``min_p``).
 Requests carry what a user passes per request: transformers CB's per-request ``temperature`` / ``top_k`` /
 ``top_p`` keyword arguments are passed as drawn (``top_k=0`` included), never translated.
+
+``entry`` says which transformers CB entry point runs the calls: ``manager`` (the request API) or
+``generate_batch`` (``model.generate_batch``, TRL's). For ``generate_batch`` ``generation`` is the
+``GenerationConfig`` passed to every call, as keyword arguments (a key left out is a field left unset); a call's
+``Step.generation`` replaces it for that call, ``Step.options`` are ``generate_batch``'s own keyword arguments
+(``max_new_tokens``, or a generation option passed there instead of in the config), and a request is one input: only
+its id (a label, the library names its own) and prompt are passed; its ``max_new_tokens`` is the call's (sizing).
 """
 
 from __future__ import annotations
@@ -17,7 +24,9 @@ from typing import Literal
 from reference.spec import RolloutRequest, SamplingParams
 
 StepKind = Literal["call", "train", "update_weights"]
-CALL_PATTERNS = ("one-call", "several-calls", "persistent", "persistent+train", "persistent+weights")
+Entry = Literal["manager", "generate_batch"]
+CALL_PATTERNS = ("one-call", "several-calls", "persistent", "persistent+train", "persistent+weights",
+                 "persistent+config-change")  # fmt: skip
 
 
 def pages_needed(requests, page: int) -> int:
@@ -56,6 +65,9 @@ class Step:
     requests: tuple[FuzzRequest, ...] = ()
     staggered: bool = False  # call: add the second half only once the first result is out (requests join mid-run)
     seed: int = 0  # train / update_weights: the perturbation's seed
+    generation: dict | None = None  # generate_batch: this call's GenerationConfig when it differs from the case's
+    options: dict = field(default_factory=dict)  # generate_batch: its keyword arguments (max_new_tokens, ...)
+    paused: bool = False  # generate_batch train / update_weights: inside pause() of the cached manager, restarted
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +79,7 @@ class FuzzCase:
     generation: dict = field(default_factory=dict)
     steps: tuple[Step, ...] = ()
     caller_training: bool = False  # the caller's model is in train mode when it hands it over (a GRPO loop's is)
+    entry: Entry = "manager"
 
     @property
     def calls(self) -> list[Step]:
@@ -76,8 +89,18 @@ class FuzzCase:
     def requests(self) -> list[FuzzRequest]:
         return [r for s in self.calls for r in s.requests]
 
+    def generation_of(self, step: Step) -> dict:
+        """The generation options ``step`` runs with (generate_batch: a call may carry its own)."""
+        return self.generation if step.generation is None else step.generation
+
+    def generations(self) -> list[dict]:
+        """Every set of generation options a call of the case runs with."""
+        return [self.generation] + [s.generation for s in self.calls if s.generation is not None]
+
     def call_pattern(self) -> str:
         kinds = {s.kind for s in self.steps}
+        if self.persistent and any(s.generation not in (None, self.generation) for s in self.calls):
+            return "persistent+config-change"
         if not self.persistent:
             return "several-calls" if len(self.calls) > 1 else "one-call"
         return "persistent+train" if "train" in kinds else "persistent+weights" if "update_weights" in kinds else (
@@ -97,9 +120,10 @@ class FuzzCase:
                 FuzzRequest(**{**r, "prompt_ids": tuple(r["prompt_ids"]), "eos_token_ids": tuple(r["eos_token_ids"])})
                 for r in s["requests"]
             )  # fmt: skip
-            steps.append(Step(s["kind"], reqs, s.get("staggered", False), s.get("seed", 0)))
+            extra = {k: s[k] for k in ("generation", "options", "paused") if k in s}
+            steps.append(Step(s["kind"], reqs, s.get("staggered", False), s.get("seed", 0), **extra))
         fields = {k: data[k] for k in ("engine", "model", "persistent", "config", "generation", "caller_training")}
-        return FuzzCase(**fields, steps=tuple(steps))
+        return FuzzCase(**fields, steps=tuple(steps), entry=data.get("entry", "manager"))
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), sort_keys=True)

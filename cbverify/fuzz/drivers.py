@@ -35,6 +35,7 @@ class Output:
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...]
     error: str | None = None
+    prompt_ids: tuple[int, ...] = ()  # generate_batch: the prompt the result says it answers
 
 
 @dataclass(slots=True)
@@ -193,24 +194,28 @@ class Session:
         return self.manager.pause() if self.manager is not None and self.manager.is_running() else nullcontext()
 
     def train_step(self, seed: int) -> None:
-        """One training step as a GRPO loop takes it: forward, backward, SGD step, in train mode (then back)."""
-        was_training = self.model.training
-        g = torch.Generator().manual_seed(seed)
-        ids = torch.randint(3, self.model.config.vocab_size, (2, 12), generator=g)
+        """One training step as a GRPO loop takes it (:func:`train_once`), inside ``pause()`` when persistent."""
         with self.paused():
-            self.model.train()
-            opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
-            loss = torch.nn.functional.cross_entropy(self.model(input_ids=ids).logits[:, :-1].flatten(0, 1),
-                                                     ids[:, 1:].flatten())  # fmt: skip
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            self.model.train(was_training)
+            train_once(self.model, seed)
 
     def update_weights(self, seed: int) -> None:
         """A weight sync as a trainer does it: every parameter changed in place."""
         with self.paused():
             perturb(self.model, seed)
+
+
+def train_once(model, seed: int) -> None:
+    """One training step as a GRPO loop takes it: forward, backward, SGD step, in train mode (then back)."""
+    was_training = model.training
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, model.config.vocab_size, (2, 12), generator=g)
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    loss = torch.nn.functional.cross_entropy(model(input_ids=ids).logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    model.train(was_training)
 
 
 def _order(step: Step, raw: list[Output]) -> list[Output | None]:

@@ -1,6 +1,8 @@
 """Registered failures the fuzzer finds on the pinned stack: each a failure class (the checks it fails), the engine,
 the condition on the case (``applies``), measured evidence, and the smallest case that shows it (``repro``; the test
 suite runs it as a strict expected failure, so an upstream fix turns the suite red until the entry is updated).
+Conditions read every ``GenerationConfig`` a case passes (``FuzzCase.generations``): the manager's, or each
+``generate_batch`` call's.
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ def _one_call(*requests: FuzzRequest, generation=None, caller_training=False, **
     return FuzzCase("transformers-cb", "tiny-llama-arith", False, {**_CB, **config}, gen, steps, caller_training)
 
 
+def _asks(case: FuzzCase, key: str, value=lambda v: v not in (None, 0)) -> bool:
+    """Some config the case passes sets ``key`` to a value ``value`` accepts (keyword arguments not included)."""
+    return any(value(g.get(key)) for g in case.generations())
+
+
 def _top_k_zero(case: FuzzCase) -> bool:
     sampled = case.generation.get("do_sample") and case.config.get("per_request_processors")
     return bool(sampled) and any(r.top_k == 0 for r in case.requests)
@@ -60,7 +67,11 @@ FUZZ_FINDINGS: tuple[FuzzFinding, ...] = (
         engine="transformers-cb",
         checks=("engine-crash",),
         when="a persistent manager and a training step between calls (inside manager.pause())",
-        applies=lambda case: compat.CAN_PAUSE and case.persistent and any(s.kind == "train" for s in case.steps),
+        applies=lambda case: (
+            compat.CAN_PAUSE
+            and case.persistent
+            and any(s.kind == "train" and (case.entry == "manager" or s.paused) for s in case.steps)
+        ),
         evidence="the caller's training forward inside manager.pause() raises ValueError: `paged|sdpa` was called "
         "without a paged attention cache (the paused manager keeps its paged attention installed on the model); "
         "the same program passes on 5.19.0 and later",
@@ -101,7 +112,7 @@ FUZZ_FINDINGS: tuple[FuzzFinding, ...] = (
         engine="transformers-cb",
         checks=("state:global-rng",),
         when="from 5.9 (ContinuousBatchingConfig.seed) every call; before, sampled calls",
-        applies=lambda case: compat.has("seed") or bool(case.generation.get("do_sample")),
+        applies=lambda case: compat.has("seed") or _asks(case, "do_sample"),
         evidence="torch.get_rng_state() differs after one greedy call of a manager built with seed=0: the batch "
         "processor calls torch.manual_seed(seed) on the global generator (set_tp_seed) and samples with "
         "torch.multinomial on it; the caller's random stream is replaced (5.8.1, with no seed field: a greedy "
@@ -134,9 +145,9 @@ FUZZ_FINDINGS: tuple[FuzzFinding, ...] = (
     FuzzFinding(
         id="cb-drops-min-new-tokens",
         engine="transformers-cb",
-        checks=("min-new-tokens", "tokens", "logprobs", "conventions"),
+        checks=("min-new-tokens", "tokens", "logprobs", "conventions", "support"),
         when="GenerationConfig(min_new_tokens > 0)",
-        applies=lambda case: bool(case.generation.get("min_new_tokens")),
+        applies=lambda case: _asks(case, "min_new_tokens"),
         evidence="greedy, min_new_tokens=6, EOS=2: CB returns (20, 17, 5, 5, 5, 2) (EOS at position 5) where the "
         "oracle, as generate() does, holds EOS back and continues (20, 17, 5, 5, 5, 3, 2): "
         "MinNewTokensLengthLogitsProcessor is marked supports_continuous_batching=False and dropped (logged only)",
@@ -147,7 +158,7 @@ FUZZ_FINDINGS: tuple[FuzzFinding, ...] = (
         engine="transformers-cb",
         checks=("logprobs", "tokens", "min-new-tokens", "conventions"),
         when="GenerationConfig(repetition_penalty != 1)",
-        applies=lambda case: case.generation.get("repetition_penalty") not in (None, 1.0),
+        applies=lambda case: _asks(case, "repetition_penalty", lambda v: v not in (None, 1.0)),
         evidence="greedy, repetition_penalty=1.3: CB's tokens are those of no penalty (oracle (13, 6, 3, 16, 6) vs "
         "CB (13, 8, 16, 4, 3) on a fuzzed prompt); RepetitionPenaltyLogitsProcessor is marked unsupported and "
         "dropped with a log line, so the option is silently ignored",
@@ -174,6 +185,181 @@ FUZZ_FINDINGS: tuple[FuzzFinding, ...] = (
         ),  # fmt: skip
     ),
 )
+
+
+# ------------------------------------------------------------------------------------------------ generate_batch
+BATCH_CONTENT = ("tokens", "support", "logprobs", "conventions", "min-new-tokens", "no-repeat-ngram")
+
+
+def _batch(*steps: Step, generation: dict, persistent: bool = False, **config) -> FuzzCase:
+    steps = tuple(s if isinstance(s, Step) else Step("call", s) for s in steps)
+    return FuzzCase("transformers-cb", "tiny-llama-arith", persistent, {**_CB, **config}, generation, steps,
+                    entry="generate_batch")  # fmt: skip
+
+
+def _inputs(call: int, *prompts, max_new_tokens: int) -> tuple[FuzzRequest, ...]:
+    return tuple(FuzzRequest(f"c{call}-i{j}", p, max_new_tokens, ()) for j, p in enumerate(prompts))
+
+
+def _batch_calls(case: FuzzCase) -> list[tuple[Step, dict]]:
+    return [(s, case.generation_of(s)) for s in case.calls] if case.entry == "generate_batch" else []
+
+
+def _eos_unset(case: FuzzCase) -> bool:
+    return any(g.get("eos_token_id") is None for _, g in _batch_calls(case))
+
+
+def _swallowed_kwargs(case: FuzzCase) -> bool:
+    return any(set(s.options) - {"max_new_tokens"} for s, _ in _batch_calls(case))
+
+
+def _later_config_differs(case: FuzzCase) -> bool:
+    """A persistent manager, and a later call's config differs from the first call's beyond ``max_new_tokens``."""
+    calls = _batch_calls(case)
+    strip = lambda g: {k: v for k, v in g.items() if k != "max_new_tokens"}  # noqa: E731
+    return case.persistent and any(strip(g) != strip(calls[0][1]) for _, g in calls[1:])
+
+
+def _prefix_cached_before_a_change(case: FuzzCase) -> bool:
+    """A persistent manager sharing blocks, and a call after a training step or weight update whose prompt starts
+    with a whole page of a prompt some call before that change had."""
+    if case.entry != "generate_batch" or not case.persistent or case.config.get("allow_block_sharing") is False:
+        return False
+    page, before, changed = case.config.get("page_size") or compat.DEFAULT_PAGE_SIZE, [], False
+    for s in case.steps:
+        if s.kind != "call":
+            changed = changed or bool(before)
+            continue
+        prompts = [r.prompt_ids for r in s.requests]
+        if changed and any(len(p) >= page and p[:page] == q[:page] for p in prompts for q in before if len(q) >= page):
+            return True
+        if not changed:
+            before += prompts
+    return False
+
+
+BATCH_FINDINGS: tuple[FuzzFinding, ...] = (
+    FuzzFinding(
+        id="cb-no-repeat-ngram-sees-one-token-per-row",
+        engine="transformers-cb",
+        checks=("engine-crash", "request-failed", "result-count", *BATCH_CONTENT),
+        when="GenerationConfig(no_repeat_ngram_size > 0)",
+        applies=lambda case: _asks(case, "no_repeat_ngram_size"),
+        evidence="NoRepeatNGramLogitsProcessor is kept (supports_continuous_batching unset: 'might not be supported', "
+        "a log line) and called with input_ids = batch['input_ids'][0, logits_indices], one last token per row "
+        "(1-D): with fewer rows than n it bans nothing (cur_len is the row count), otherwise "
+        "input_ids[:, ...] raises IndexError('too many indices for tensor of dimension 1'), the generation "
+        "thread dies and every request comes back failed (generate_batch logs it and returns them)",
+        repro=_batch(
+            _inputs(0, PROMPT, ARITH, max_new_tokens=4),
+            generation={"do_sample": False, "eos_token_id": 2, "no_repeat_ngram_size": 2},
+        ),  # fmt: skip
+    ),
+    FuzzFinding(
+        id="cb-drops-min-length",
+        engine="transformers-cb",
+        checks=("min-new-tokens", "tokens", "logprobs", "support", "conventions"),
+        when="GenerationConfig(min_length > 0) (the whole sequence's minimum, prompt included)",
+        applies=lambda case: _asks(case, "min_length"),
+        evidence="greedy, min_length=14 for a 7-token prompt, EOS=2: generate_batch returns (22, 20, 17, 7, 5, 3, 2) "
+        "(EOS at 6, 13 tokens in all) where the oracle, as generate() does, holds EOS back to the 14th token: "
+        "MinLengthLogitsProcessor is marked supports_continuous_batching=False and dropped (a log line)",
+        repro=_batch(
+            _inputs(0, PROMPT, max_new_tokens=8), generation={"do_sample": False, "eos_token_id": 2, "min_length": 14}
+        ),  # fmt: skip
+    ),
+    FuzzFinding(
+        id="cb-unset-eos-disables-eos",
+        engine="transformers-cb",
+        checks=("tokens", "conventions", "min-new-tokens", "support", "logprobs", "no-repeat-ngram"),
+        when="generate_batch with a GenerationConfig that leaves eos_token_id unset",
+        applies=_eos_unset,
+        evidence="GenerationConfig(do_sample=False) with model.generation_config.eos_token_id=2: generate() takes "
+        "the model's EOS for the unset field and stops at it; init_continuous_batching sets eos_token_id=-1 "
+        "('not set in GenerationConfig. Setting to -1 (disabled)', a warning) before add_requests' own fallback "
+        "to the model's EOS can run, so the completion goes on past token 2 to max_new_tokens",
+        repro=_batch(
+            Step("call", _inputs(0, PROMPT, max_new_tokens=8), options={"max_new_tokens": 8}),
+            generation={"do_sample": False},
+        ),  # fmt: skip
+    ),
+    FuzzFinding(
+        id="cb-writes-eos-into-the-callers-generation-config",
+        engine="transformers-cb",
+        checks=("state:generation-config",),
+        when="generate_batch with a GenerationConfig that leaves eos_token_id unset",
+        applies=_eos_unset,
+        evidence="after generate_batch(inputs, generation_config=GenerationConfig(do_sample=False)) the caller's "
+        "config has eos_token_id=-1 (was None): init_continuous_batching assigns it on the object passed in "
+        "(with no config passed, on model.generation_config itself), so a later generate() with it warns that "
+        "eos_token_id should be positive",
+        repro=_batch(
+            Step("call", _inputs(0, PROMPT, max_new_tokens=2), options={"max_new_tokens": 2}),
+            generation={"do_sample": False},
+        ),  # fmt: skip
+    ),
+    FuzzFinding(
+        id="cb-generate-batch-swallows-generation-kwargs",
+        engine="transformers-cb",
+        checks=("result-count", "results-order", *BATCH_CONTENT),
+        when="generate_batch given a generation option as a keyword argument (other than max_new_tokens)",
+        applies=_swallowed_kwargs,
+        evidence="generate_batch(..., num_return_sequences=2) returns one result per input, and eos_token_id=[], "
+        "min_new_tokens=8 or do_sample=True given the same way change nothing: generate_batch pops "
+        "max_new_tokens from **kwargs ('the only expected kwarg') and silently ignores the rest, where generate() "
+        "lets keyword arguments override the config",
+        repro=_batch(
+            Step(
+                "call", _inputs(0, PROMPT, max_new_tokens=4), options={"max_new_tokens": 4, "num_return_sequences": 2}
+            ),
+            generation={"do_sample": True, "eos_token_id": 2},
+        ),  # fmt: skip
+    ),
+    FuzzFinding(
+        id="cb-persistent-manager-keeps-the-first-generation-config",
+        engine="transformers-cb",
+        checks=("engine-crash", "result-count", "results-order", "request-failed", *BATCH_CONTENT),
+        when="generate_batch(persistent_manager=True) called again with a different GenerationConfig",
+        applies=_later_config_differs,
+        evidence="the second call's GenerationConfig(eos_token_id=[]) is ignored: init_continuous_batching returns "
+        "the cached manager (an info-level log) with the first call's config, so the call stops at EOS 2; only "
+        "max_new_tokens, which generate_batch reads itself, follows the new config. A later config asking for more "
+        "num_return_sequences than the first makes generate_batch wait forever for results the cached manager "
+        "never forks (its loop counts inputs x the new n)",
+        repro=_batch(
+            Step("call", _inputs(0, PROMPT, max_new_tokens=8)),
+            Step(
+                "call",
+                _inputs(1, PROMPT, max_new_tokens=8),
+                generation={"do_sample": False, "eos_token_id": [], "max_new_tokens": 8},
+            ),
+            generation={"do_sample": False, "eos_token_id": 2, "max_new_tokens": 8},
+            persistent=True,
+        ),  # fmt: skip
+    ),
+    FuzzFinding(
+        id="cb-persistent-manager-reuses-kv-from-old-weights",
+        engine="transformers-cb",
+        checks=("tokens", "logprobs", "support", "conventions", "min-new-tokens", "no-repeat-ngram"),
+        when="generate_batch(persistent_manager=True), block sharing on (the default), the weights changed between "
+        "calls, and a later prompt starting with a whole page of an earlier one",
+        applies=_prefix_cached_before_a_change,
+        evidence="greedy, page_size=4, the same 11-token prompt before and after an in-place weight update: the "
+        "second call returns (10, 5, 13, 12, 10, 16, 4, 9) where the oracle at the new weights gives (8, 3, 13, 4, "
+        "16, 16, 8, 20) (with allow_block_sharing=False it does): the cached manager keeps the first call's "
+        "prompt blocks for prefix sharing and serves the new request their keys and values, computed with the old "
+        "weights",
+        repro=_batch(
+            Step("call", _inputs(0, ARITH, max_new_tokens=8)),
+            Step("update_weights", seed=3),
+            Step("call", _inputs(1, ARITH, max_new_tokens=8)),
+            generation={"do_sample": False, "eos_token_id": 2, "max_new_tokens": 8},
+            persistent=True,
+            allow_block_sharing=True,
+        ),  # fmt: skip
+    ),
+)
+FUZZ_FINDINGS = FUZZ_FINDINGS + BATCH_FINDINGS
 
 
 def covering(engine_name: str, check: str, case: FuzzCase) -> FuzzFinding | None:

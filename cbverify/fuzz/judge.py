@@ -24,6 +24,7 @@ CHECKS = (
     "conventions", "min-new-tokens", "tokens", "logprobs", "state:training-mode", "state:attn-implementation",
     "state:dtypes", "state:global-rng", "state:generation-config",
 )  # fmt: skip
+STATE_CHECKS = tuple(c for c in CHECKS if c.startswith("state:"))
 SPEC_ENGINES = ("cb_impl",)  # engines whose sampled tokens must equal the oracle's
 
 
@@ -135,8 +136,13 @@ def judge_state(before: dict, model, session) -> list[Failure]:
         out.append(Failure("state:global-rng", "torch's global RNG state changed"))
     if before["generation_config"] != after["generation_config"]:
         out.append(Failure("state:generation-config", "model.generation_config changed"))
-    passed = getattr(session, "generation_config", None)
-    if passed is not None and passed.to_dict() != session.generation_config_before:
-        changed = sorted(k for k, v in passed.to_dict().items() if session.generation_config_before.get(k) != v)
-        out.append(Failure("state:generation-config", f"the GenerationConfig passed in changed: {changed}"))
+    passed = getattr(session, "passed_configs", None)
+    if passed is None:  # the manager session: the one config it built its managers with
+        config = getattr(session, "generation_config", None)
+        passed = [] if config is None else [(config, session.generation_config_before)]
+    for config, contents in passed:
+        if config.to_dict() != contents:
+            changed = {k: (contents.get(k), v) for k, v in config.to_dict().items() if contents.get(k) != v}
+            out.append(Failure("state:generation-config", f"the GenerationConfig passed in changed: {changed}"))
+            break
     return out

@@ -1,8 +1,8 @@
 """Writing a shrunk failure as a standalone Python script (torch + transformers only, the checkpoint by absolute
 path) and a JSON record (versions, configuration, case). The script exits 1 while the failure is there.
 
-Scripts are written for ``transformers-cb`` cases (the fuzzer's upstream target); the JSON record is written for
-every engine.
+Scripts are written for ``transformers-cb`` cases (the fuzzer's upstream target), from the template of the case's
+entry point (the manager's request API, or ``model.generate_batch``); the JSON record is written for every engine.
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ import platform
 from pathlib import Path
 
 from cbverify.fuzz.case import FuzzCase
-from cbverify.tolerances import FP32
+from cbverify.tolerances import BOUNDARY_RELAX, FP32
 from reference.models import resolve
 
 TEMPLATE = Path(__file__).with_name("repro_template.py.txt")
+BATCH_TEMPLATE = Path(__file__).with_name("repro_batch_template.py.txt")
 
 
 def versions() -> dict:
@@ -28,15 +29,21 @@ def versions() -> dict:
 
 
 def script_text(case: FuzzCase, check: str) -> str:
-    return TEMPLATE.read_text().format(
-        check=check, checkpoint=str(resolve(case.model).resolve()), case_json=case.dumps(), tol=FP32.logprob_max_abs
+    template = BATCH_TEMPLATE if case.entry == "generate_batch" else TEMPLATE
+    return template.read_text().format(
+        check=check,
+        checkpoint=str(resolve(case.model).resolve()),
+        case_json=case.dumps(),
+        tol=FP32.logprob_max_abs,
+        relax=BOUNDARY_RELAX,
     )
 
 
 def write(out: Path, case: FuzzCase, check: str, detail: str, finding: str | None) -> list[Path]:
     """``<out>/<engine>-<check>[-<finding>].py`` (transformers-cb) and ``.json``; returns the paths written."""
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{case.engine}-{check.replace(':', '-')}" + (f"-{finding}" if finding else "")
+    entry = "-generate_batch" if case.entry == "generate_batch" else ""
+    stem = f"{case.engine}{entry}-{check.replace(':', '-')}" + (f"-{finding}" if finding else "")
     record = {"check": check, "detail": detail, "finding": finding, "versions": versions(), "case": case.to_json()}
     paths = [out / f"{stem}.json"]
     paths[0].write_text(json.dumps(record, indent=1, sort_keys=True))

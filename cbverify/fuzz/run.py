@@ -9,15 +9,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cbverify.engines import transformers_compat as compat
+from cbverify.fuzz.batch_driver import BatchSession
+from cbverify.fuzz.batch_judge import intent, judge_batch_call
 from cbverify.fuzz.case import FuzzCase
 from cbverify.fuzz.drivers import Session, snapshot
-from cbverify.fuzz.judge import Failure, judge_call, judge_state
+from cbverify.fuzz.judge import STATE_CHECKS, Failure, judge_call, judge_state
 
 
 @dataclass(slots=True)
 class Outcome:
     failures: list[Failure] = field(default_factory=list)
     features: set[str] = field(default_factory=set)
+    decisive: set[str] = field(default_factory=set)  # generate_batch: the checks that could have failed here
 
     @property
     def checks(self) -> set[str]:
@@ -27,6 +31,8 @@ class Outcome:
 def features(case: FuzzCase) -> set[str]:
     """What the case is built to exercise (evictions are counted while it runs)."""
     c, out = case.config, {case.call_pattern()}
+    if case.entry == "generate_batch":
+        out |= batch_features(case)
     budget = c.get("max_batch_tokens") or (c.get("enable_chunked_prefill") and c.get("max_num_batched_tokens"))
     page = c.get("page_size") or c.get("block_size")
     if budget and any(len(r.prompt_ids) > budget for r in case.requests):
@@ -39,7 +45,7 @@ def features(case: FuzzCase) -> set[str]:
         out.add("shared-blocks")
     if any(s.staggered for s in case.calls):
         out.add("added-while-running")
-    out.add("sampled" if case.generation.get("do_sample") else "greedy")
+    out.add("sampled" if any(g.get("do_sample") for g in case.generations()) else "greedy")
     for key in ("min_new_tokens", "repetition_penalty"):
         if case.generation.get(key) not in (None, 0, 1.0):
             out.add(key)
@@ -79,13 +85,14 @@ def _oracle_view(model, attn: str):
             model.set_attn_implementation(left)
 
 
-def run_case(model, case: FuzzCase, session_factory=Session) -> Outcome:
-    """Run ``case`` on ``model`` (restored by the caller) and judge it."""
+def run_case(model, case: FuzzCase, session_factory=None) -> Outcome:
+    """Run ``case`` on ``model`` (restored by the caller) and judge it (``session_factory``: the entry's session)."""
     outcome = Outcome(features=features(case))
     model.train(case.caller_training)
     torch.rand(1)  # the caller's RNG is mid-stream: a state fresh from manual_seed(s) would hide a reseed with s
     before = snapshot(model)
-    session = session_factory(model=model, case=case)
+    batch = case.entry == "generate_batch"
+    session = (session_factory or (BatchSession if batch else Session))(model=model, case=case)
     try:
         session.open()
         for step in case.steps:
@@ -94,14 +101,55 @@ def run_case(model, case: FuzzCase, session_factory=Session) -> Outcome:
                 if result.evictions:
                     outcome.features.add("evicted")
                 with _oracle_view(model, before["attn_implementation"]):
-                    outcome.failures += judge_call(model, case, step, result)
+                    if batch:
+                        want = intent(case.generation_of(step), step.options, before["generation_config"],
+                                      compat.generation_defaults())  # fmt: skip
+                        failures, decisive = judge_batch_call(model, case, step, result, want)
+                        outcome.failures += failures
+                        outcome.decisive |= decisive
+                    else:
+                        outcome.failures += judge_call(model, case, step, result)
             elif step.kind == "train":
-                session.train_step(step.seed)
+                session.train_step(step.seed, *([step.paused] if batch else []))
             else:
-                session.update_weights(step.seed)
+                session.update_weights(step.seed, *([step.paused] if batch else []))
     except Exception as err:  # noqa: BLE001 - a crash outside a call (opening, training while paused)
         outcome.failures.append(Failure("engine-crash", f"{type(err).__name__}: {err}"[:300]))
     finally:
         session.close()
     outcome.failures += judge_state(before, model, session)
+    if batch:
+        outcome.decisive |= {c for c in STATE_CHECKS if c != "state:training-mode" or case.caller_training}
     return outcome
+
+
+def batch_features(case: FuzzCase) -> set[str]:
+    """What a generate_batch case exercises: the options its calls ask for, its keyword arguments, its program."""
+    from reference import tasks
+
+    out = set()
+    for g in case.generations():
+        eos = g.get("eos_token_id", "unset")
+        out.add("eos-unset" if eos == "unset" else "no-eos" if eos == [] else "eos-list" if isinstance(eos, list)
+                else "eos-int")  # fmt: skip
+        if (g.get("num_return_sequences") or 1) > 1:
+            out.add("num_return_sequences>1")
+        for key in ("min_length", "no_repeat_ngram_size", "min_p", "top_p", "temperature"):
+            if g.get(key) is not None:
+                out.add(key)
+        k = g.get("top_k")
+        out.add("top_k-unset" if k is None else "top_k=0" if k == 0 else "top_k>=vocab" if k >= tasks.VOCAB_SIZE
+                else "top_k<vocab")  # fmt: skip
+    for s in case.calls:
+        out |= {f"kwarg:{k}" for k in s.options}
+    for s in case.steps:
+        if s.kind != "call":
+            out.add(f"{s.kind}{'-in-pause' if s.paused else '-beside-idle-manager'}")
+    seen: list[tuple[int, ...]] = []
+    page = case.config.get("page_size") or 1
+    for s in case.calls:
+        prompts = [r.prompt_ids for r in s.requests]
+        if any(p[:page] == q[:page] and min(len(p), len(q)) >= page for p in prompts for q in seen):
+            out.add("prompt-prefix-from-an-earlier-call")
+        seen += prompts
+    return out

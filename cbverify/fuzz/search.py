@@ -14,11 +14,10 @@ from dataclasses import dataclass, field, replace
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 
-from cbverify.fuzz.case import FuzzCase, Step
-from cbverify.fuzz.drivers import Session
+from cbverify.fuzz.case import FuzzCase
 from cbverify.fuzz.findings import covering
 from cbverify.fuzz.run import Pristine, run_case
-from cbverify.fuzz.strategies import fuzz_cases
+from cbverify.fuzz.strategies import batch_cases, fuzz_cases
 
 
 @dataclass(slots=True)
@@ -38,27 +37,35 @@ class Report:
     configs: Counter = field(default_factory=Counter)
     classes: dict[str, FailureClass] = field(default_factory=dict)
     seconds: float = 0.0
+    decisive: Counter = field(default_factory=Counter)  # generate_batch: cases where a check could have failed
+    failed: Counter = field(default_factory=Counter)  # ... and where it did
 
     @property
     def unregistered(self) -> list[FailureClass]:
         return [c for c in self.classes.values() if c.finding is None]
 
 
-def explore(model, engine: str, *, model_name: str, examples: int, seed: int = 0, session_factory=Session,
-            engine_label: str | None = None) -> Report:  # fmt: skip
-    """Run ``examples`` drawn cases; ``engine_label`` names a wrapped engine (findings cover only the real one)."""
+def explore(model, engine: str, *, model_name: str, examples: int, seed: int = 0, session_factory=None,
+            engine_label: str | None = None, entry: str = "manager") -> Report:  # fmt: skip
+    """Run ``examples`` drawn cases; ``engine_label`` names a wrapped engine (findings cover only the real one);
+    ``entry="generate_batch"`` draws ``model.generate_batch`` programs (transformers CB only)."""
     report, pristine, start = Report(engine_label or engine), Pristine(model), time.perf_counter()
+    if entry == "generate_batch" and engine != "transformers-cb":
+        raise ValueError(f"--entry generate_batch is transformers CB's entry point, not {engine!r}'s")
+    cases = batch_cases(model=model_name) if entry == "generate_batch" else fuzz_cases(engine=engine, model=model_name)
 
     @hypothesis_seed(seed)
     @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.generate],
               suppress_health_check=list(HealthCheck))  # fmt: skip
-    @given(fuzz_cases(engine=engine, model=model_name))
+    @given(cases)
     def one(case: FuzzCase) -> None:
         pristine.restore()
         outcome = run_case(model, case, session_factory)
         report.examples += 1
         report.explored.update(outcome.features)
         report.configs.update(_config_keys(case))
+        report.decisive.update(outcome.decisive)
+        report.failed.update(outcome.checks & outcome.decisive)
         for f in outcome.failures:  # a class is (check, the finding that explains it or none)
             finding = covering(engine_label or engine, f.check, case)
             key = f"{f.check}:{finding.id if finding else 'unregistered'}"
@@ -82,7 +89,7 @@ def _config_keys(case: FuzzCase) -> list[str]:
     return keys + ([f"max_batch_tokens={c.get('max_batch_tokens')}"] if "max_num_batched_tokens" not in c else [])
 
 
-def still_fails(model, case: FuzzCase, check: str, pristine: Pristine, session_factory=Session) -> bool:
+def still_fails(model, case: FuzzCase, check: str, pristine: Pristine, session_factory=None) -> bool:
     pristine.restore()
     try:
         return check in run_case(model, case, session_factory).checks
@@ -110,12 +117,33 @@ def candidates(case: FuzzCase):
                             replace(r, prompt_ids=r.prompt_ids[: max(1, len(r.prompt_ids) // 2)])):  # fmt: skip
                 if smaller != r:
                     reqs = s.requests[:j] + (smaller,) + s.requests[j + 1 :]
-                    yield case.with_steps(steps[:i] + [Step(s.kind, reqs, s.staggered, s.seed)] + steps[i + 1 :])
+                    yield case.with_steps(steps[:i] + [replace(s, requests=reqs)] + steps[i + 1 :])
     if case.caller_training:
         yield replace(case, caller_training=False)
+    if case.entry == "generate_batch":
+        yield from _batch_candidates(case)
 
 
-def shrink(model, cls: FailureClass, *, budget: int, session_factory=Session) -> FailureClass:
+def _batch_candidates(case: FuzzCase):
+    """generate_batch cases: a smaller ``max_new_tokens`` per call, then every generation option unset in turn."""
+    steps = list(case.steps)
+    for i, s in enumerate(steps):
+        if s.kind != "call":
+            continue
+        limit = s.options.get("max_new_tokens", case.generation_of(s).get("max_new_tokens"))
+        if limit and limit > 1:
+            options = {**s.options, "max_new_tokens": max(1, limit // 2)}
+            reqs = tuple(replace(r, max_new_tokens=options["max_new_tokens"]) for r in s.requests)
+            yield case.with_steps(steps[:i] + [replace(s, options=options, requests=reqs)] + steps[i + 1 :])
+    for key in sorted(case.generation):
+        if key != "max_new_tokens" or all("max_new_tokens" in s.options for s in case.calls if s.generation is None):
+            yield replace(case, generation={k: v for k, v in case.generation.items() if k != key})
+    for key in sorted(case.config):
+        if key not in ("page_size", "num_blocks", "max_batch_tokens"):
+            yield replace(case, config={k: v for k, v in case.config.items() if k != key})
+
+
+def shrink(model, cls: FailureClass, *, budget: int, session_factory=None) -> FailureClass:
     """Greedy: take the first smaller candidate that still fails ``cls.check``; at most ``budget`` runs."""
     pristine, runs, case = Pristine(model), 0, cls.case
     improved = True

@@ -124,3 +124,107 @@ def vllm_config(draw, requests) -> dict:
         enable_prefix_caching=draw(st.booleans()),
         kv_blocks=max(floor, need // 2) + draw(st.sampled_from([0, 1, 2, 3 * need])),
     )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------ generate_batch
+# top_k at and beyond the vocabulary (no cut), 0 ("no top-k"), unset (the release's default), and real cuts
+BATCH_TOP_KS = (None, None, 0, 1, 3, tasks.VOCAB_SIZE, tasks.VOCAB_SIZE + 7)
+BATCH_EOS = ("unset", tasks.EOS_ID, [tasks.EOS_ID], [tasks.EOS_ID, tasks.VOCAB["\n"]], [])
+# generate()'s options a user may pass to generate_batch as keyword arguments instead of in the config
+BATCH_KWARG_FIELDS = ("do_sample", "eos_token_id", "num_return_sequences", "min_new_tokens", "temperature")
+
+
+@st.composite
+def batch_generation(draw) -> dict:
+    """A ``GenerationConfig`` as keyword arguments; a key left out is a field left unset. Greedy never asks for more
+    than one sequence per input (``GenerationConfig`` itself refuses that)."""
+    g: dict = {}
+    sampled = draw(st.sampled_from([True, False, None]))  # None: unset (greedy by default)
+    if sampled is not None:
+        g["do_sample"] = sampled
+    eos = draw(st.sampled_from(BATCH_EOS))
+    if eos != "unset":
+        g["eos_token_id"] = eos
+    if draw(st.booleans()):
+        g["max_new_tokens"] = draw(st.integers(1, 10))
+    if sampled:
+        g.update(num_return_sequences=draw(st.sampled_from([None, 1, 2, 3])),
+                 temperature=draw(st.sampled_from([None, 0.7, 1.0, 1.5])), top_k=draw(st.sampled_from(BATCH_TOP_KS)),
+                 top_p=draw(st.sampled_from([None, 0.8, 1.0])),
+                 min_p=draw(st.sampled_from([None, None, 0.1])))  # fmt: skip
+    g.update(min_length=draw(st.sampled_from([None, None, None, 4, 12, 30])),
+             min_new_tokens=draw(st.sampled_from([None, None, None, 2, 6])),
+             no_repeat_ngram_size=draw(st.sampled_from([None] * 6 + [1, 2, 3])),
+             repetition_penalty=draw(st.sampled_from([None, None, None, 1.3])))  # fmt: skip
+    return {k: v for k, v in g.items() if v is not None}
+
+
+def batch_options(draw, generation: dict, moved: str | None) -> dict:
+    """``generate_batch``'s keyword arguments: ``max_new_tokens`` (always when the config has none, else sometimes),
+    and ``moved``, the generation option passed there instead of in the config (``generation`` loses it)."""
+    options = {}
+    if "max_new_tokens" not in generation or draw(st.booleans()):
+        options["max_new_tokens"] = draw(st.integers(1, 10))
+    if moved in generation:
+        options[moved] = generation.pop(moved)
+    return options
+
+
+def _batch_prompts(draw, call: int, earlier: list[tuple[int, ...]], max_prompt_len: int = 40) -> list[tuple[int, ...]]:
+    """1-3 prompts (each repeated 1-2 times, as TRL repeats a GRPO group's prompt); after the first call a prompt
+    may be an earlier call's, or an earlier prompt's head (a shared system prompt) with a new tail."""
+    out = []
+    for _ in range(draw(st.integers(1, 3))):
+        kind = draw(st.sampled_from(["fresh", "fresh", "again", "head"])) if earlier else "fresh"
+        if kind == "again":
+            prompt = draw(st.sampled_from(earlier))
+        else:
+            head = draw(st.sampled_from(earlier))[: draw(st.integers(1, 16))] if kind == "head" else (tasks.BOS_ID,)
+            n = draw(st.integers(1, max_prompt_len - len(head)))
+            prompt = (*head, *draw(st.lists(st.integers(3, tasks.VOCAB_SIZE - 1), min_size=n, max_size=n)))
+        out += [prompt] * draw(st.integers(1, 2))
+    return out
+
+
+@st.composite
+def batch_cases(draw, *, model: str = "tiny-llama-arith") -> FuzzCase:
+    """A ``generate_batch`` program: a ``GenerationConfig``, a ``ContinuousBatchingConfig`` and 1-3 calls, with or
+    without ``persistent_manager`` (the release has it: ``transformers_compat.BATCH_PARAMETERS``), a training step or
+    weight update between calls (beside the idle cached manager, or inside its ``pause()`` where the release has
+    one), and on a persistent manager sometimes a different config for a later call."""
+    generation = draw(batch_generation())
+    moved = draw(st.sampled_from([None] * 5 + list(BATCH_KWARG_FIELDS)))  # passed as a keyword by every call
+    persistent = "persistent_manager" in compat.BATCH_PARAMETERS and draw(st.booleans())
+    steps, earlier, first = [], [], None
+    for call in range(draw(st.integers(1, 3))):
+        if call:
+            between = draw(st.sampled_from(["none", "train", "update_weights"]))
+            if between != "none":
+                paused = persistent and compat.CAN_PAUSE and draw(st.booleans())
+                steps.append(Step(between, seed=draw(st.integers(0, 2**16)), paused=paused))
+        own = draw(batch_generation()) if call and persistent and draw(st.integers(0, 5)) == 0 else None
+        config = dict(generation if own is None else own)
+        options = batch_options(draw, config, moved)
+        first = config if first is None else first
+        prompts = _batch_prompts(draw, call, earlier)
+        earlier += prompts
+        max_new = options.get("max_new_tokens", config.get("max_new_tokens"))
+        inputs = tuple(FuzzRequest(f"c{call}-i{j}", p, max_new, ()) for j, p in enumerate(prompts))
+        steps.append(Step("call", inputs, generation=config if config != first else None, options=options))
+    generation = first
+    requests = [r for s in steps for r in s.requests]
+    page = draw(st.sampled_from([4, 8, 16]))
+    need = pages_needed(requests, page)
+    config = dict(
+        page_size=page, num_blocks=need + draw(st.sampled_from([0, 1, 2, 4, 3 * need])),
+        max_batch_tokens=draw(st.sampled_from([4, 7, 16, 64, 256])),
+        scheduler_type=draw(st.sampled_from(["fifo", "prefill_first"])),
+        allow_block_sharing=draw(st.sampled_from([True, False, None])),
+        max_requests_per_batch=draw(st.sampled_from(_BATCH_LIMITS)), return_logprobs=draw(st.booleans()),
+        per_request_processors=draw(st.booleans()),
+    )  # fmt: skip
+    if compat.has("seed"):
+        config["seed"] = draw(st.integers(0, 2**31 - 1))
+    config = {k: v for k, v in config.items() if v is not None}
+    return FuzzCase("transformers-cb", model, persistent, config, generation, tuple(steps),
+                    caller_training=draw(st.booleans()), entry="generate_batch")  # fmt: skip
