@@ -370,3 +370,36 @@ def grpo_sampling_fields(draw) -> dict:
         top_k=draw(st.sampled_from([0, 5])), min_p=draw(st.sampled_from([None, 0.05])),
         max_completion_length=draw(st.integers(1, 64)),
     )  # fmt: skip
+
+
+@st.composite
+def ngram_sequences(draw, *, max_len: int = 24, vocab: int = 5) -> tuple[list[int], int]:
+    """A token sequence over a small vocabulary (so n-grams repeat) and an n-gram size 1-4."""
+    return draw(st.lists(st.integers(0, vocab - 1), max_size=max_len)), draw(st.integers(1, 4))
+
+
+@st.composite
+def generation_layers(draw) -> tuple[dict, dict, dict, dict]:
+    """``generate_batch``'s four sources of a generation option, most specific first: its keyword arguments, the
+    ``GenerationConfig`` passed, ``model.generation_config`` and the defaults; each field set in some of them."""
+    values = {"max_new_tokens": st.integers(1, 9), "top_k": st.integers(0, 60),
+              "temperature": st.sampled_from([0.5, 2.0]), "eos_token_id": st.sampled_from([2, [2, 4], []]),
+              "min_length": st.integers(0, 9), "num_return_sequences": st.integers(1, 3)}  # fmt: skip
+    layers = tuple({} for _ in range(4))
+    for name, strategy in values.items():
+        for layer in layers:
+            if draw(st.booleans()):
+                layer[name] = draw(strategy)
+    layers[3].setdefault("max_new_tokens", 20)  # every case sets it somewhere (the defaults' max_length aside)
+    return layers
+
+
+@st.composite
+def zoo_combinations(draw, *, families: tuple[str, ...] | None = None):
+    """A feature-combination candidate of the zoo (``cbverify.zoo.combinations.Candidate``): a family (of
+    ``families``, default all) and one value per switch it has; it shrinks towards the first family and every switch
+    off. Whether the model applies every switch is ``combinations.verify``'s to say."""
+    from cbverify.zoo.combinations import FAMILIES, Candidate, switches
+
+    family = draw(st.sampled_from([f for f in FAMILIES if families is None or f.name in families]))
+    return Candidate(family, tuple((s, draw(st.sampled_from(vs))) for s, vs in switches(family).items()))

@@ -1,21 +1,34 @@
 """``cbverify fuzz``: registered findings still reproduce (strict), a written repro script reproduces its failure in
-a subprocess, a small derandomised search finds nothing unregistered, and a faulty session is caught."""
+a subprocess, a small derandomised search finds nothing unregistered, and a faulty session is caught; the same for
+the ``generate_batch`` entry point, whose every check is shown to fail on a planted fault."""
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
+import torch
 import transformers
+from hypothesis import given
 
+from cbverify.engines import transformers_compat as compat
 from cbverify.fuzz import repro
-from cbverify.fuzz.findings import FUZZ_FINDINGS
+from cbverify.fuzz.batch_driver import BatchSession
+from cbverify.fuzz.batch_judge import Intent, banned_by_ngrams, intent, processed
+from cbverify.fuzz.case import FuzzCase, FuzzRequest, Step
+from cbverify.fuzz.drivers import CallResult, Output
+from cbverify.fuzz.findings import FUZZ_FINDINGS, covering
 from cbverify.fuzz.run import Pristine, run_case
 from cbverify.fuzz.search import explore
 from cbverify.upstream.findings import transformers_in
 from property_tests import faulty
 from property_tests.helpers import needs_vllm
+from property_tests.strategies import generation_layers, ngram_sequences
+from reference import tasks
+from reference.generate import next_token_logits
 
 DEFAULT_EXAMPLES = 4  # ~4 s each on one thread: the default suite keeps the fuzz under a minute
 VLLM_EXAMPLES = 6  # ~10-15 s each (a vLLM worker per case): make test-vllm
@@ -126,3 +139,285 @@ def test_a_written_json_record_replays_as_the_same_case(tmp_path):
     finding = FUZZ_FINDINGS[0]
     record = repro.write(tmp_path, finding.repro, "x", "detail", finding.id)[0]
     assert FuzzCase.from_json(json.loads(record.read_text())["case"]) == finding.repro
+
+
+# ------------------------------------------------------------------------------------------------ model.generate_batch
+BATCH_EXAMPLES = 4  # ~0.7 s each on one thread
+
+
+def test_a_small_generate_batch_fuzz_finds_only_registered_failures(llama):
+    report = explore(llama.model, "transformers-cb", model_name="tiny-llama-arith", examples=BATCH_EXAMPLES,
+                     entry="generate_batch")  # fmt: skip
+    assert report.examples == BATCH_EXAMPLES
+    assert not report.unregistered, [(c.check, c.detail, c.case.dumps()) for c in report.unregistered]
+    assert report.decisive["result-count"] and report.decisive["conventions"], report.decisive  # calls were judged
+
+
+@pytest.mark.slow
+def test_a_larger_generate_batch_fuzz_finds_only_registered_failures(llama):
+    report = explore(llama.model, "transformers-cb", model_name="tiny-llama-arith", examples=60, seed=1,
+                     entry="generate_batch")  # fmt: skip
+    assert not report.unregistered, [(c.check, c.detail, c.case.dumps()) for c in report.unregistered]
+
+
+@given(ngram_sequences())
+def test_the_ngram_ban_is_the_documented_rule(drawn):
+    """``no_repeat_ngram_size`` n: "all ngrams of that size can only occur once". A token is banned exactly when
+    appending it makes the sequence's last n-gram occur twice (counted over every n-gram of the longer sequence)."""
+    sequence, n = drawn
+    for token in range(5):
+        longer = [*sequence, token]
+        grams = [tuple(longer[i : i + n]) for i in range(len(longer) - n + 1)]
+        repeats = len(longer) >= n and grams.count(tuple(longer[-n:])) > 1
+        assert (token in banned_by_ngrams(sequence, n)) == repeats, (sequence, n, token)
+
+
+@given(generation_layers())
+def test_a_call_takes_each_option_from_its_most_specific_source(layers):
+    """generate()'s rule: keyword argument, then the config passed, then ``model.generation_config``, then the
+    defaults (a field left unset falls through)."""
+    options, config, model_generation, defaults = layers
+    want = intent(config, options, model_generation, defaults)
+
+    def first(name, fallback):
+        return next((layer[name] for layer in layers if layer.get(name) is not None), fallback)
+
+    eos = first("eos_token_id", [])
+    assert want.eos == ((eos,) if isinstance(eos, int) else tuple(eos))
+    assert (want.max_new_tokens, want.top_k, want.temperature) == (
+        first("max_new_tokens", None), first("top_k", 0), first("temperature", 1.0))  # fmt: skip
+    assert (want.min_length, want.num_return_sequences) == (first("min_length", 0), first("num_return_sequences", 1))
+
+
+# Meta-tests: a correct generate_batch written from its documentation (no continuous batching: the oracle's processor
+# chain, one input at a time) passes every check on hand-built cases; each fault below, planted in it or around the
+# real session, must be caught by the check named beside it. A random-weight model keeps the distributions flat, so
+# a fault changes what comes out.
+V = tasks.VOCAB_SIZE
+P1, P2 = (1, 6, 5, 16, 7, 5, 3), (1, 19, 17, 10, 5, 13, 12, 10, 13, 11, 22)
+
+
+def _batch_case(*steps, generation: dict, persistent: bool = False, **config) -> FuzzCase:
+    def call(i, prompts, n):
+        reqs = tuple(FuzzRequest(f"c{i}-i{j}", p, n, ()) for j, p in enumerate(prompts))
+        return Step("call", reqs, options={"max_new_tokens": n})
+
+    made, i = [], 0
+    for s in steps:
+        made.append(s if isinstance(s, Step) else call(i, *s))
+        i += not isinstance(s, Step)
+    cfg = {"page_size": 4, "num_blocks": 32, "max_batch_tokens": 16, "return_logprobs": True, **config}
+    return FuzzCase("transformers-cb", "tiny-llama-arith", persistent, cfg, generation, tuple(made),
+                    entry="generate_batch")  # fmt: skip
+
+
+GROUPS = _batch_case(([P1, P2], 4), generation={"do_sample": True, "num_return_sequences": 2, "eos_token_id": 2,
+                                                 "top_k": V + 7, "temperature": 1.5})  # fmt: skip
+CUT = _batch_case(([P1, P1], 6), generation={"do_sample": True, "top_k": 3, "eos_token_id": []})
+# the trained model ends P1's answer with EOS after 6 tokens: a minimum of 8 completion tokens holds it back
+MIN_LENGTH = _batch_case(([P1], 9), generation={"do_sample": False, "eos_token_id": 2, "min_length": len(P1) + 8})
+NGRAM = _batch_case(([tuple(range(1, 21))], 8), generation={"do_sample": False, "eos_token_id": [],
+                                                            "no_repeat_ngram_size": 1})  # fmt: skip
+LENGTH = _batch_case(([P1], 3), generation={"do_sample": False, "eos_token_id": []})
+CHANGED = _batch_case(([P2], 5), Step("update_weights", seed=3), ([P2], 5), persistent=True,
+                      generation={"do_sample": False, "eos_token_id": []})  # fmt: skip
+
+
+class DocumentedBatch(BatchSession):
+    """A correct generate_batch: every input's results (``req_<i>``, then ``__child#k``), inputs in order."""
+
+    def wanted(self, step) -> Intent:
+        return intent(self.case.generation_of(step), step.options, self.model.generation_config.to_dict(),
+                      compat.generation_defaults())  # fmt: skip
+
+    def call(self, step):
+        gen = self.generation_config(step)
+        self.passed_configs.append((gen, copy.deepcopy(gen.to_dict())))
+        want, rng = self.wanted(step), torch.Generator().manual_seed(len(self.passed_configs))
+        raw = []
+        for j, r in enumerate(step.requests):
+            for k in range(want.num_return_sequences):
+                tokens, logprobs = self.complete(want, r.prompt_ids, rng)
+                rid = f"req_{j}" + (f"__child#{k}" if k else "")
+                raw.append(Output(rid, tuple(tokens), tuple(logprobs), None, tuple(r.prompt_ids)))
+        return CallResult(raw, list(raw))
+
+    def complete(self, want: Intent, prompt, rng) -> tuple[list[int], list[float]]:
+        tokens, logprobs = [], []
+        for _ in range(want.max_new_tokens):
+            scores = processed(self.model, want, prompt, tokens)
+            pick = torch.multinomial(self.sampled_from(want, prompt, tokens).exp(), 1, generator=rng)
+            token = int(pick) if want.do_sample else int(torch.argmax(scores))
+            tokens.append(token)
+            logprobs.append(self.logprob(scores, want, prompt, tokens))
+            if token in want.eos:
+                break
+        return tokens, logprobs
+
+    def sampled_from(self, want, prompt, tokens):
+        return processed(self.model, want, prompt, tokens)
+
+    def logprob(self, scores, want, prompt, tokens) -> float:
+        return float(scores[tokens[-1]])
+
+
+class DropsNumReturnSequences(DocumentedBatch):
+    def wanted(self, step):
+        return replace(super().wanted(step), num_return_sequences=1)
+
+
+class ReordersInputs(DocumentedBatch):
+    def call(self, step):
+        result = super().call(step)
+        result.raw = result.ordered = list(reversed(result.raw))
+        return result
+
+
+class IgnoresMinLength(DocumentedBatch):
+    def wanted(self, step):
+        return replace(super().wanted(step), min_length=0)
+
+
+class IgnoresNoRepeatNgram(DocumentedBatch):
+    def wanted(self, step):
+        return replace(super().wanted(step), no_repeat_ngram_size=0)
+
+
+class CutsTopKBeyondVocab(DocumentedBatch):
+    """top_k >= V taken modulo V (a wrap instead of 'no cut')."""
+
+    def wanted(self, step):
+        want = super().wanted(step)
+        return replace(want, top_k=want.top_k % V if want.top_k >= V else want.top_k)
+
+
+class SamplesOutsideSupport(DocumentedBatch):
+    """Samples from the whole vocabulary, as if no top-k / top-p / min-p were asked."""
+
+    def sampled_from(self, want, prompt, tokens):
+        return processed(self.model, replace(want, top_k=0, top_p=1.0, min_p=0.0), prompt, tokens)
+
+
+class ReturnsRawLogprobs(DocumentedBatch):
+    def logprob(self, scores, want, prompt, tokens) -> float:
+        return float(torch.log_softmax(next_token_logits(self.model, [*prompt, *tokens[:-1]]), -1)[tokens[-1]])
+
+
+class OverrunsMaxNewTokens(DocumentedBatch):
+    def complete(self, want, prompt, rng):
+        tokens, logprobs = super().complete(replace(want, max_new_tokens=want.max_new_tokens + 1), prompt, rng)
+        return tokens, logprobs
+
+
+class ServesTheFirstCallAgain(DocumentedBatch):
+    """A persistent manager answering a prompt it has seen from its first answer (weights changed since)."""
+
+    def complete(self, want, prompt, rng, _seen: dict = {}):  # noqa: B006 - per-session memory, keyed by session
+        key = (id(self), tuple(prompt))
+        if key not in _seen:
+            _seen[key] = super().complete(want, prompt, rng)
+        return _seen[key]
+
+
+@pytest.fixture(scope="module")
+def flat_model():
+    from reference.models import random_like
+
+    return random_like("tiny-llama-arith", seed=0)[0]
+
+
+@pytest.mark.parametrize(
+    ("fault", "case", "check", "model"),
+    [(DropsNumReturnSequences, GROUPS, "result-count", "flat_model"),
+     (ReordersInputs, GROUPS, "results-order", "flat_model"), (CutsTopKBeyondVocab, GROUPS, "logprobs", "flat_model"),
+     (SamplesOutsideSupport, CUT, "support", "flat_model"), (ReturnsRawLogprobs, CUT, "logprobs", "flat_model"),
+     (IgnoresMinLength, MIN_LENGTH, "min-new-tokens", "llama"),
+     (IgnoresNoRepeatNgram, NGRAM, "no-repeat-ngram", "flat_model"),
+     (OverrunsMaxNewTokens, LENGTH, "conventions", "flat_model"),
+     (ServesTheFirstCallAgain, CHANGED, "tokens", "flat_model")],
+    ids=lambda v: v.__name__ if isinstance(v, type) else v if isinstance(v, str) else "",
+)  # fmt: skip
+def test_each_generate_batch_check_catches_its_planted_fault(request, fault, case, check, model):
+    model = request.getfixturevalue(model)
+    model = model.model if isinstance(model, tuple) else model  # the llama fixture is (model, tokenizer)
+    outcomes = {}
+    for name, factory in (("documented", DocumentedBatch), ("faulty", fault)):
+        pristine = Pristine(model)
+        try:
+            outcomes[name] = run_case(model, case, factory)
+        finally:
+            pristine.restore()
+    correct, broken = outcomes["documented"], outcomes["faulty"]
+    assert not correct.checks, [(f.check, f.detail) for f in correct.failures]  # no false alarm on a correct engine
+    assert check in correct.decisive, correct.decisive  # the case can make the check fail ...
+    assert check in broken.checks, [(f.check, f.detail) for f in broken.failures]  # ... and the fault does
+
+
+@pytest.mark.parametrize(("mutate", "check"), [("drop-children", "result-count"), ("reverse", "results-order")])
+def test_the_real_generate_batchs_results_broken_after_the_call_are_caught(llama, mutate, check):
+    """Real transformers CB on GROUPS (two prompts, num_return_sequences=2, top_k beyond the vocabulary, log-probs)
+    passes count, order, support and log-probs; the same results with the children dropped or the inputs reversed
+    fail the check."""
+
+    class Broken(BatchSession):
+        def call(self, step):
+            result = super().call(step)
+            kept = [o for o in result.raw if "__child#" not in o.request_id] if mutate == "drop-children" else (
+                list(reversed(result.raw)))  # fmt: skip
+            result.raw = result.ordered = kept
+            return result
+
+    outcomes = {}
+    for name, factory in (("real", None), ("broken", Broken)):
+        pristine = Pristine(llama.model)
+        try:
+            outcomes[name] = run_case(llama.model, GROUPS, factory)
+        finally:
+            pristine.restore()
+    registered = {c for c in outcomes["real"].checks if covering("transformers-cb", c, GROUPS)}
+    assert outcomes["real"].checks == registered, [(f.check, f.detail) for f in outcomes["real"].failures]
+    assert {"result-count", "results-order", "logprobs"} <= outcomes["real"].decisive
+    assert check in outcomes["broken"].checks - outcomes["real"].checks
+
+
+@pytest.mark.slow
+def test_a_generate_batch_that_never_returns_is_reported_as_a_crash(llama):
+    """A persistent manager asked for more num_return_sequences than its first config had waits forever (the
+    registered cb-persistent-manager-keeps-the-first-generation-config): the session stops the manager after its
+    timeout and the judge reports engine-crash, covered by that finding."""
+    case = _batch_case(([P1], 2), Step("call", (FuzzRequest("c1-i0", P1, 2, ()),), generation={"do_sample": True,
+                       "num_return_sequences": 2, "max_new_tokens": 2}, options={}), persistent=True,
+                       generation={"do_sample": True, "max_new_tokens": 2})  # fmt: skip
+    pristine = Pristine(llama.model)
+    try:
+        outcome = run_case(llama.model, case, lambda **kw: BatchSession(**kw, timeout_s=3.0))
+    finally:
+        pristine.restore()
+    crash = [f.detail for f in outcome.failures if f.check == "engine-crash"]
+    assert crash and "did not return" in crash[0], outcome.failures
+    assert covering("transformers-cb", "engine-crash", case) is not None
+
+
+@pytest.mark.slow
+def test_a_written_generate_batch_repro_script_reproduces_its_failure_standalone(tmp_path):
+    finding = next(f for f in FUZZ_FINDINGS if f.id == "cb-drops-min-length")
+    script = repro.write(tmp_path, finding.repro, "min-new-tokens", finding.evidence, finding.id)[-1]
+    assert "generate_batch" in script.read_text()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "min-new-tokens: REPRODUCED" in done.stdout
+
+
+def test_the_cli_fuzzes_generate_batch_and_reports_decisive_checks(tmp_path, capsys):
+    import argparse
+    import json
+
+    from cbverify.cli import fuzz as cli
+
+    parser = argparse.ArgumentParser()
+    cli.configure(parser)
+    args = parser.parse_args(["--entry", "generate_batch", "--examples", "2", "--json", str(tmp_path / "r.json")])
+    assert cli.run(args) == 0, capsys.readouterr().out
+    payload = json.loads((tmp_path / "r.json").read_text())
+    assert payload["entry"] == "generate_batch" and payload["examples"] == 2
+    assert payload["decisive"]["result-count"] >= 1 and "checks:" in capsys.readouterr().out

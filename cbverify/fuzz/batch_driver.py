@@ -35,6 +35,7 @@ class BatchSession:
     model: object
     case: FuzzCase
     passed_configs: list = field(default_factory=list)  # (GenerationConfig, its to_dict() before the call)
+    timeout_s: float = BATCH_TIMEOUT_S
 
     def open(self) -> None:
         pass
@@ -83,9 +84,9 @@ class BatchSession:
             with compat.count_evictions() as evictions:
                 worker = threading.Thread(target=target, daemon=True)
                 worker.start()
-                worker.join(BATCH_TIMEOUT_S)
+                worker.join(self.timeout_s)
                 if worker.is_alive():
-                    crash = f"generate_batch did not return within {BATCH_TIMEOUT_S:.0f}s (hung); its manager stopped"
+                    crash = f"generate_batch did not return within {self.timeout_s:.0f}s (hung); its manager stopped"
                     for manager in built:
                         manager.stop(block=True, timeout=10)
                     worker.join(30)

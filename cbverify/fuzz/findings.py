@@ -156,7 +156,7 @@ FUZZ_FINDINGS: tuple[FuzzFinding, ...] = (
     FuzzFinding(
         id="cb-drops-repetition-penalty",
         engine="transformers-cb",
-        checks=("logprobs", "tokens", "min-new-tokens", "conventions"),
+        checks=("logprobs", "tokens", "min-new-tokens", "conventions", "support"),
         when="GenerationConfig(repetition_penalty != 1)",
         applies=lambda case: _asks(case, "repetition_penalty", lambda v: v not in (None, 1.0)),
         evidence="greedy, repetition_penalty=1.3: CB's tokens are those of no penalty (oracle (13, 6, 3, 16, 6) vs "
