@@ -46,12 +46,19 @@ def _vocab_size() -> int:
 @dataclass(frozen=True, slots=True)
 class Arch:
     """One zoo entry: ``name`` (== ``config.model_type``), ``config_class`` (transformers' name), its ``kwargs``
-    beyond the shared special ids / vocab, and ``features`` (what it exercises, for the coverage table)."""
+    beyond the shared special ids / vocab, and ``features`` (what it exercises, for the coverage table). A feature
+    combination (:mod:`cbverify.zoo.combinations`) sets ``family`` (its ``config.model_type``) and has its own name."""
 
     name: str
     config_class: str
     kwargs: dict
     features: tuple[str, ...]
+    family: str = ""
+
+    @property
+    def model_type(self) -> str:
+        """The family (``config.model_type``): ``family`` for a combination, else ``name``."""
+        return self.family or self.name
 
     def config(self):
         """A fresh transformers config (shared special ids and vocabulary added)."""

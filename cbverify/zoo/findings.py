@@ -1,5 +1,6 @@
-"""Registered upstream failures of an engine: on some architectures (the zoo) or on all of them for some transformers
-releases (``cbverify verify`` and the compatibility tests, run in every matrix venv). :mod:`cbverify.zoo.matrix`
+"""Registered upstream failures of an engine: on some architectures (the zoo), on the feature combinations of a family
+that have some features (:mod:`cbverify.zoo.combinations`), or on all architectures for some transformers releases
+(``cbverify verify`` and the compatibility tests, run in every matrix venv). :mod:`cbverify.zoo.matrix`
 reports such a cell as ``XFAIL(<id>)`` and ``verify`` such a row, when every problem of the row is one the entry
 explains; the zoo test fails the day a cell passes again (``FIXED?``), so the registry is updated when upstream fixes
 it. Each entry carries measured evidence and the transformers versions it was seen on.
@@ -24,6 +25,7 @@ class ArchitectureFinding:
     evidence: str
     transformers: str = ""  # PEP 440 specifier, as Finding.transformers
     problems: tuple[str, ...] = ()  # the report problems it explains, by their opening words; () means any
+    features: tuple[str, ...] = ()  # the entry's features it needs, all of them (Arch.features); () means any
 
 
 ZOO_SEEN = "transformers 5.24.0 (torch 2.13.0, CPU, float32; the only version the zoo was run on)"
@@ -49,7 +51,11 @@ ARCHITECTURE_FINDINGS: tuple[ArchitectureFinding, ...] = (
         evidence="no error, wrong numbers: the first greedy token's log-prob is -1.458 where teacher forcing gives "
         "-1.553 (12-token prompt; -1.021 vs -0.947 on a 3-token one), and sampled requests pick tokens outside the "
         "reference's top-k support (log-prob diff inf); the same checkpoint with attn_logit_softcapping=None passes "
-        "(max |dlogp| 9.5e-7), so CB's paged attention drops the softcap",
+        "(max |dlogp| 9.5e-7), so CB's paged attention drops the softcap. Feature combinations: each of the 16 "
+        "gemma2 ones with attn_logit_softcapping=2.0 (window none / all / alternating / from layer 1, final-logit "
+        "softcap, tied) fails so (greedy tokens diverge at positions 1-4, or log-probs off by 0.096 to 0.44 nats), "
+        "each of the 16 without it passes",
+        features=("attention softcap",),
     ),
     ArchitectureFinding(
         id="cb-cache-lacks-get-seq-length",
@@ -93,13 +99,29 @@ ARCHITECTURE_FINDINGS: tuple[ArchitectureFinding, ...] = (
         "(2 x 8) while multi-head latent attention writes 4 heads x 16 (RuntimeError in index_copy_: source/"
         "destination slice shapes differ)",
     ),
+    ArchitectureFinding(
+        id="cb-temperature-tuning-get-seq-length",
+        engine="transformers-cb",
+        architectures=("llama4_text",),
+        affected=ZOO_SEEN,
+        evidence="every request fails at the first step: Llama4TextAttention's attention temperature tuning on a NoPE "
+        "layer counts positions with cache.get_seq_length(layer_idx), which the PagedAttentionCache CB passes lacks "
+        "(AttributeError: 'PagedAttentionCache' object has no attribute 'get_seq_length'); each of the 8 unchunked "
+        "llama4_text feature combinations with no_rope_layers=[1, 0] and attn_temperature_tuning fails so, each of "
+        "the 8 with the same NoPE layer and the tuning off passes (CB refuses the chunked ones)",
+        features=("no rope on layer 1", "attention temperature tuning"),
+    ),
 )
 
 
-def architecture_finding(engine: str, arch: str, problems: Sequence[str] = ()) -> ArchitectureFinding | None:
-    """The registered finding that explains ``engine`` failing on architecture ``arch`` with ``problems`` (the
-    report's problem lines) on the installed transformers, if any."""
+def architecture_finding(engine: str, arch: str, problems: Sequence[str] = (),
+                         features: Sequence[str] | None = None) -> ArchitectureFinding | None:  # fmt: skip
+    """The registered finding that explains ``engine`` failing on architecture ``arch`` (a ``config.model_type``) with
+    ``problems`` (the report's problem lines) on the installed transformers, if any; with ``features`` (a zoo entry's
+    or a combination's), only a finding whose ``features`` are all among them."""
     for f in ARCHITECTURE_FINDINGS:
+        if features is not None and not set(f.features) <= set(features):
+            continue
         if f.engine == engine and (not f.architectures or arch in f.architectures):
             if transformers_in(f.transformers) and (not f.problems or all(p.startswith(f.problems) for p in problems)):
                 return f

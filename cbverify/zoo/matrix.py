@@ -1,4 +1,5 @@
-"""The architecture x engine matrix: every zoo checkpoint through every engine, judged as ``cbverify verify`` does.
+"""The architecture x engine matrix: every zoo checkpoint (and every feature combination,
+:mod:`cbverify.zoo.combinations`) through every engine, judged as ``cbverify verify`` does.
 
 Per architecture (:func:`run_architecture`): the reference generates :func:`zoo_requests` (greedy and sampled,
 three of them 14 tokens long, well past the zoo's sliding window of ``zoo.WINDOW``), then each engine is built with
@@ -54,29 +55,34 @@ def zoo_requests() -> list[RolloutRequest]:
 
 @dataclass(frozen=True, slots=True)
 class Cell:
-    """One (architecture, engine) verdict: ``status`` as in the module docstring, ``detail`` one line."""
+    """One (architecture, engine) verdict: ``status`` as in the module docstring, ``detail`` one line; ``identical``
+    when every request's tokens equal the reference's (no divergence, not even at an accepted near-tie)."""
 
     arch: str
     engine: str
     status: str
     detail: str = ""
+    identical: bool = False
 
     @property
     def ok(self) -> bool:
         return self.status == "PASS" or self.status.startswith(("N/A", "XFAIL"))
 
 
-def judge(arch: str, engine: str, row: report.EngineRow) -> Cell:
-    """An ``EngineRow`` -> a :class:`Cell`, registered architecture findings applied."""
+def judge(arch: zoo.Arch, engine: str, row: report.EngineRow, num_requests: int = 0) -> Cell:
+    """An ``EngineRow`` of ``num_requests`` requests -> a :class:`Cell`, registered architecture findings applied (by
+    the entry's family and features)."""
     detail = " ".join(" | ".join(row.problems).split())[:300]
+    identical = row.tokens_compared == num_requests > 0 and row.tokens_equal == row.tokens_compared
+    family, features = arch.model_type, arch.features
     if row.status == "N/A":
-        return Cell(arch, engine, "N/A", detail)
+        return Cell(arch.name, engine, "N/A", detail)
     if row.status == "PASS":  # a finding about this architecture that no longer shows
-        finding = architecture_finding(engine, arch)
-        fixed = finding is not None and arch in finding.architectures
-        return Cell(arch, engine, f"FIXED?({finding.id})" if fixed else "PASS", "")
-    finding = architecture_finding(engine, arch, row.problems)
-    return Cell(arch, engine, f"XFAIL({finding.id})" if finding else "FAIL", detail)
+        finding = architecture_finding(engine, family, features=features)
+        fixed = finding is not None and family in finding.architectures
+        return Cell(arch.name, engine, f"FIXED?({finding.id})" if fixed else "PASS", "", identical)
+    finding = architecture_finding(engine, family, row.problems, features=features)
+    return Cell(arch.name, engine, f"XFAIL({finding.id})" if finding else "FAIL", detail, identical)
 
 
 class _Replay:
@@ -112,9 +118,10 @@ def run_architecture(
             except NotApplicable as err:
                 cells.append(Cell(arch.name, name, "N/A", err.reason))
                 continue
-            repro = f"cbverify zoo --archs {arch.name} --engines {name} --dtype {dtype}"
+            which = f"--archs --combinations {arch.name}" if arch.family else f"--archs {arch.name}"
+            repro = f"cbverify zoo {which} --engines {name} --dtype {dtype}"
             row = report.evaluate_engine(engine, model, requests, reference, tier, repro=repro)
-        cells.append(judge(arch.name, name, row))
+        cells.append(judge(arch, name, row, len(requests)))
     return cells
 
 
@@ -144,20 +151,52 @@ HEADER = (
     "N/A: the engine refuses the model up front, with its reason; XFAIL(id): a registered upstream finding "
     "(`cbverify.zoo.findings.ARCHITECTURE_FINDINGS`)."
 )
+COMBINATIONS_HEADER = (
+    "Each row is a family's config with feature switches (`cbverify.zoo.combinations`: sliding window on all layers "
+    "/ alternating / from layer 1, attention and final-logit soft-capping, chunked attention, q/k norm, a NoPE layer, "
+    "attention temperature tuning, a dense first layer in an MoE, tied embeddings), kept only where the model, "
+    "observed in eager attention, applies every switch; the same requests and judging as the architectures above. "
+    "Decisive: PASS, FAIL or XFAIL, not N/A."
+)
 
 
-def render_markdown(cells: list[Cell], engines=LOCAL_ENGINES, dtype: str = "float32") -> str:
-    """The coverage table: architecture x engine (PASS / N/A reason / XFAIL(finding)), features, versions."""
+def _table(names: list[str], entries: dict[str, zoo.Arch], by: dict, engines, first: str) -> list[str]:
+    lines = [f"| {first} | features | " + " | ".join(engines) + " |", "|---|---|" + "---|" * len(engines)]
+    for name in names:
+        features = ", ".join(entries[name].features)
+        lines.append(f"| {name} | {features} | " + " | ".join(_short(by[name, e]) for e in engines) + " |")
+    return lines
+
+
+def render_markdown(cells: list[Cell], engines=LOCAL_ENGINES, dtype: str = "float32", entries=zoo.ARCHS,
+                    rejected: list[tuple[str, str]] = ()) -> str:  # fmt: skip
+    """The coverage tables: architecture x engine (PASS / N/A reason / XFAIL(finding)), features, versions; then,
+    when ``cells`` hold feature combinations (``entries`` with a ``family``), their table, each engine's count of
+    decisive cells, and the ``rejected`` candidates with the reason each is no combination."""
     env = report.environment("cpu", dtype, "cbverify.zoo", tier_for(dtype))
     env = {k: v for k, v in env.items() if k not in ("model", "device", "dtype", "tier")}
     by = {(c.arch, c.engine): c for c in cells}
-    archs = list(dict.fromkeys(c.arch for c in cells))
-    header = HEADER.format(
-        dtype=dtype, flags="--markdown docs/coverage.md" if dtype == "float32" else f"--dtype {dtype} --markdown FILE"
-    )
+    entries = {a.name: a for a in entries}
+    names = list(dict.fromkeys(c.arch for c in cells))
+    archs = [n for n in names if not entries[n].family]
+    combos = [n for n in names if entries[n].family]
+    flags = "--combinations --markdown docs/coverage.md" if combos else "--markdown docs/coverage.md"
+    header = HEADER.format(dtype=dtype, flags=flags if dtype == "float32" else f"--dtype {dtype} --markdown FILE")
     lines = ["# Architecture coverage", "", header, "", " · ".join(f"**{k}** {v}" for k, v in env.items()), ""]
-    lines += ["| architecture | features | " + " | ".join(engines) + " |", "|---|---|" + "---|" * len(engines)]
-    for name in archs:
-        features = ", ".join(zoo.by_name(name).features)
-        lines.append(f"| {name} | {features} | " + " | ".join(_short(by[name, e]) for e in engines) + " |")
+    if archs:
+        lines += _table(archs, entries, by, engines, "architecture")
+    if combos:
+        lines += ["", "## Feature combinations", "", COMBINATIONS_HEADER, ""]
+        for e in engines:
+            kinds = [by[n, e].status.split("(")[0] for n in combos]  # XFAIL(id) -> XFAIL
+            counts = ", ".join(f"{k} {kinds.count(k)}" for k in dict.fromkeys(sorted(kinds)))
+            decisive = len(kinds) - kinds.count("N/A")
+            lines.append(f"- **{e}**: {decisive} of {len(combos)} decisive ({counts})")
+        lines += [""] + _table(combos, entries, by, engines, "combination")
+    if rejected:
+        lines += ["", f"Not combinations ({len(rejected)} candidates: the model does not apply a switch):", ""]
+        reasons: dict[str, list[str]] = {}
+        for name, reason in rejected:
+            reasons.setdefault(f"{name.split('+')[0]}: {reason}", []).append(name)
+        lines += [f"- {reason} ({len(ns)}: {', '.join(f'`{n}`' for n in ns)})" for reason, ns in reasons.items()]
     return "\n".join(lines) + "\n"
