@@ -6,18 +6,29 @@ judges them as ``cbverify verify`` does. Each (engine, architecture) must be PAS
 reason, or a registered architecture finding (``cbverify.zoo.findings.ARCHITECTURE_FINDINGS``) that still reproduces:
 each finding is also a strict expected failure, so a fix upstream turns the suite red until the entry is removed.
 cb_impl and the reference have no findings: cb_impl is exact or raises ``UnsupportedModel`` at construction.
+
+The feature combinations (``cbverify.zoo.combinations``: a family's config with feature switches, kept where the
+model applies them) are held to the same: a drawn combination is exact (every token the oracle's) or refused up front
+by cb_impl; the verification itself keeps what a model applies and rejects what it ignores; a finding registered on
+combinations is a strict expected failure of its smallest combination, which passes with the finding's features off.
+Every combination through every engine, and the coverage doc's combination rows, are slow.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from hypothesis import assume, example, given, settings
 
 from cb_impl.config import EngineConfig
 from cb_impl.engine import LLMEngine
 from cb_impl.support import UnsupportedModel, unsupported_features
 from cbverify import zoo
+from cbverify.zoo import combinations as combos
 from cbverify.zoo.findings import ARCHITECTURE_FINDINGS, ArchitectureFinding
-from cbverify.zoo.matrix import Cell, run_architecture
+from cbverify.zoo.matrix import Cell, render_markdown, run_architecture
+from property_tests.strategies import zoo_combinations
 
 ARCH_NAMES = [a.name for a in zoo.ARCHS]
 _CELLS: dict[str, dict[str, Cell]] = {}
@@ -69,14 +80,21 @@ def test_every_engine_passes_is_refused_up_front_or_fails_as_registered(arch, zo
         assert not unsupported_features(model.config)
 
 
+def zoo_archs(finding: ArchitectureFinding) -> list[str]:
+    """The zoo architectures ``finding`` is about: named by it, with every feature it needs."""
+    return [
+        a for a in finding.architectures if a in ARCH_NAMES and set(finding.features) <= set(zoo.by_name(a).features)
+    ]
+
+
 @pytest.mark.parametrize(
     "finding",
     [pytest.param(f, id=f.id, marks=pytest.mark.xfail(strict=True, raises=FindingReproduces, reason=f.id))
-     for f in ARCHITECTURE_FINDINGS if f.architectures],  # the others: every architecture on some releases
+     for f in ARCHITECTURE_FINDINGS if zoo_archs(f)],  # the others: every architecture on some releases; combinations
 )  # fmt: skip
 def test_the_engine_behind_each_architecture_finding_matches_the_reference(finding: ArchitectureFinding, zoo_dir):
     """Expected to fail (strict xfail) while the upstream behaviour stands; an XPASS means it was fixed upstream."""
-    verdicts = [cells(arch, zoo_dir)[finding.engine] for arch in finding.architectures]
+    verdicts = [cells(arch, zoo_dir)[finding.engine] for arch in zoo_archs(finding)]
     failing = [c for c in verdicts if c.status.startswith("XFAIL")]
     if len(failing) == len(verdicts):
         raise FindingReproduces(f"{finding.id}: {failing[0].arch}: {failing[0].detail}")
@@ -128,3 +146,173 @@ def test_configs_of_other_releases_and_bare_objects_are_refused_by_name_or_accep
     for not_a_model in (object(), SimpleNamespace(config=LlamaConfig())):  # no config / no input embeddings
         with pytest.raises(UnsupportedModel, match="is not a Hugging Face model"):
             check_supported(not_a_model)
+
+
+# --- feature combinations -------------------------------------------------------------------------------------------
+CANDIDATES = {c.name: c for c in combos.candidates()}
+CB_ONLY = ("reference", "cb_impl")
+
+
+def assert_exact_or_refused_up_front(arch: zoo.Arch, directory: str) -> Cell:
+    """cb_impl on ``arch`` against the oracle: PASS with every token the reference's, or N/A because
+    ``LLMEngine`` refused the config at construction (``unsupported_features`` names the feature)."""
+    verdicts = {c.engine: c for c in run_architecture(arch, directory, CB_ONLY)}
+    assert verdicts["reference"].status == "PASS", verdicts
+    cell = verdicts["cb_impl"]
+    model, _ = zoo.load(arch, directory)
+    if cell.status == "N/A":
+        assert unsupported_features(model.config) and "is not supported by cb_impl: " in cell.detail, cell
+    else:
+        assert cell.status == "PASS" and cell.identical, cell
+        assert not unsupported_features(model.config)
+    return cell
+
+
+def test_the_combination_space_crosses_moe_with_every_window_layout_softcaps_sinks_chunks_and_ties():
+    names = set(CANDIDATES)
+    for layout in ("", "+win-all", "+win-alt", "+win-from1"):  # MoE x window, with and without a dense layer 0
+        for rest in ("", "+dense0", "+tied", "+dense0+tied"):
+            assert f"qwen2_moe{layout}{rest}" in names, (layout, rest)
+    assert {"phimoe+win-all", "mixtral+win-all+tied", "qwen3_moe+win-all+dense0", "gpt_oss+win-alt"} <= names
+    assert {"gemma2+win-alt+softcap+final-softcap+tied", "llama4_text+chunked+qknorm+nope1+temp+dense0"} <= names
+    features = {f for c in CANDIDATES.values() for f in c.features}
+    for feature in ("moe", "attention sinks", "attention softcap", "final-logit softcap", "chunked attention",
+                    "q/k norm", "tied embeddings", "alternating sliding/full", "sliding window from layer 1",
+                    "no rope on layer 1", "attention temperature tuning", "dense layer 0",
+                    "shared expert"):  # fmt: skip
+        assert feature in features, feature
+    for candidate in CANDIDATES.values():  # a config gets only the fields its class declares
+        assert set(candidate.kwargs()) <= combos.declared(candidate.family.config_class), candidate.name
+    assert len(CANDIDATES) == len(combos.candidates())  # names are unique
+
+
+def test_attention_patterns_are_read_from_the_probabilities_layer_by_layer():
+    """``attention_kinds`` on hand-made probabilities: each pattern of non-zero keys is named, rows that sum below 1
+    are sinks, and a pattern that is none of them is ``other``."""
+    import torch
+
+    n, w = 12, zoo.WINDOW
+    q, k = torch.arange(n)[:, None], torch.arange(n)[None, :]
+
+    def probs(keep, mass=1.0):
+        p = keep.double()
+        return (p / p.sum(-1, keepdim=True) * mass)[None, None].expand(1, 2, n, n)
+
+    causal = k <= q
+    layers = [probs(causal), probs(causal & (k > q - w)), probs(causal & (k // w == q // w)), probs(k == 0)]
+    assert combos.attention_kinds(layers) == (["full", "window", "chunk", "other"], False)
+    assert combos.attention_kinds([probs(causal, mass=0.9)]) == (["full"], True)
+
+
+def test_verification_keeps_what_the_model_applies_and_rejects_what_it_ignores():
+    for name in ("qwen2_moe+win-alt", "phimoe+win-all", "gpt_oss+win-from1", "gemma2+softcap+final-softcap",
+                 "llama4_text+chunked+nope1", "llama4_text+nope1+temp", "qwen3_moe+dense0+tied"):  # fmt: skip
+        assert combos.verify(CANDIDATES[name]) == "", name
+    ignored = {  # one window for every layer; a field stored and never read; tuning acts on NoPE layers only
+        "phimoe+win-alt": "attention per layer ['window', 'window'], asked ['window', 'full']",
+        "qwen3_moe+win-from1": "attention per layer ['window', 'window'], asked ['full', 'window']",
+        "gemma3_text+softcap": "attention softcap: the logits do not change when it is turned off",
+        "llama4_text+temp": "temperature tuning: the logits do not change when it is turned off",
+    }
+    for name, reason in ignored.items():
+        assert combos.verify(CANDIDATES[name]) == reason, name
+    # a family claiming what its model does not have: sinks, experts, a q/k norm, a shared expert
+    mistral = CANDIDATES["mistral"]
+    claims = (("attention sinks", "attention sinks not seen"), ("moe", "experts on layers"),
+              ("q/k norm", "no parameter named like"), ("shared expert", "no parameter named like"))  # fmt: skip
+    for claim, reason in claims:
+        family = combos.Family("mistral", "MistralConfig", mistral.family.kwargs, (claim,))
+        assert combos.verify(combos.Candidate(family, mistral.values)).startswith(reason), claim
+
+
+@pytest.fixture(scope="module")
+def combo_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("combinations"))
+
+
+@settings(max_examples=6, deadline=None)
+@given(candidate=zoo_combinations())
+@example(candidate=CANDIDATES["qwen2_moe+win-alt"])  # MoE x a window that only the mask carries
+@example(candidate=CANDIDATES["phimoe+win-all"])
+@example(candidate=CANDIDATES["llama4_text+nope1+temp"])  # refused: temperature tuning counts positions from a cache
+def test_cb_impl_is_exact_or_refused_up_front_on_drawn_feature_combinations(candidate, combo_dir):
+    assume(combos.verify(candidate) == "")  # a candidate whose model ignores a switch is no combination
+    assert_exact_or_refused_up_front(candidate.arch(), combo_dir)
+
+
+def test_cb_impl_ignores_a_layer_types_field_the_family_does_not_declare(combo_dir):
+    """PhiMoE builds one window mask for every layer; a stray ``layer_types`` in its config (stored, never read by
+    the model) must not make cb_impl drop the window on the layers it calls full."""
+    kwargs = dict(CANDIDATES["phimoe+win-all"].kwargs(), layer_types=[combos.SLIDING, combos.FULL])
+    arch = zoo.Arch("phimoe-stray-layer-types", "PhimoeConfig", kwargs, (), family="phimoe")
+    assert "layer_types" not in combos.declared("PhimoeConfig")
+    assert assert_exact_or_refused_up_front(arch, combo_dir).status == "PASS"
+
+
+def smallest_combination(finding: ArchitectureFinding) -> combos.Candidate:
+    """The first candidate (fewest switches on) of the finding's families that has all of its features."""
+    return next(c for c in CANDIDATES.values()
+                if c.family.name in finding.architectures and set(finding.features) <= set(c.features))  # fmt: skip
+
+
+def without(candidate: combos.Candidate, features: tuple[str, ...]) -> combos.Candidate:
+    """``candidate`` with every switch whose value has one of ``features`` turned off."""
+    values = tuple((s, combos.SWITCHES[s][0] if v.feature in features else v) for s, v in candidate.values)
+    return combos.Candidate(candidate.family, values)
+
+
+@pytest.mark.parametrize(
+    "finding",
+    [pytest.param(f, id=f.id, marks=pytest.mark.xfail(strict=True, raises=FindingReproduces, reason=f.id))
+     for f in ARCHITECTURE_FINDINGS if f.features],
+)  # fmt: skip
+def test_the_engine_behind_each_combination_finding_matches_the_reference(finding: ArchitectureFinding, combo_dir):
+    """Expected to fail (strict xfail) while the upstream behaviour stands on the finding's smallest combination; the
+    same combination with the finding's features off passes (else the finding does not name the cause)."""
+    engines = ("reference", finding.engine)
+    candidate = smallest_combination(finding)
+    control = without(candidate, finding.features)
+    for c in (candidate, control):
+        assert combos.verify(c) == "", c.name
+    passing = {x.engine: x for x in run_architecture(control.arch(), combo_dir, engines)}[finding.engine]
+    assert passing.status == "PASS", (control.name, passing)
+    cell = {x.engine: x for x in run_architecture(candidate.arch(), combo_dir, engines)}[finding.engine]
+    if cell.status == f"XFAIL({finding.id})":
+        raise FindingReproduces(f"{finding.id}: {candidate.name}: {cell.detail}")
+    assert cell.status == "PASS", f"{candidate.name}: {cell.status} {cell.detail}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", [f.name for f in combos.FAMILIES])
+def test_every_engine_on_every_combination_passes_is_refused_up_front_or_fails_as_registered(family, combo_dir):
+    kept, _ = combos.combinations([f for f in combos.FAMILIES if f.name == family])
+    assert kept
+    for arch in kept:
+        verdicts = {c.engine: c for c in run_architecture(arch, combo_dir)}
+        lines = [f"{arch.name} {c.engine}: {c.status} {c.detail}" for c in verdicts.values()]
+        assert all(c.ok for c in verdicts.values()), "\n".join(lines)
+        assert verdicts["reference"].status == "PASS", lines
+        cell = verdicts["cb_impl"]
+        assert cell.status == "N/A" or (cell.status == "PASS" and cell.identical), lines
+
+
+@pytest.mark.slow
+def test_the_coverage_doc_lists_every_verified_combination_and_its_command():
+    text = (Path(__file__).resolve().parent.parent / "docs" / "coverage.md").read_text()
+    assert "`cbverify zoo --combinations --markdown docs/coverage.md`" in text
+    table = text.split("## Feature combinations")[1].split("Not combinations")[0]
+    rows = [line.split(" | ")[0].removeprefix("| ") for line in table.splitlines() if line.startswith("| ")]
+    kept, _ = combos.combinations()
+    assert rows[1:] == [a.name for a in kept]  # under the header row, in generation order
+
+
+def test_the_combination_table_counts_decisive_cells_per_engine():
+    entries = [CANDIDATES[n].arch() for n in ("qwen2_moe", "llama4_text+chunked")]
+    cells = [Cell("qwen2_moe", "cb_impl", "PASS"), Cell("llama4_text+chunked", "cb_impl", "N/A", "x: chunked"),
+             Cell("qwen2_moe", "transformers-cb", "FAIL", "wrong"),
+             Cell("llama4_text+chunked", "transformers-cb", "XFAIL(f)", "wrong")]  # fmt: skip
+    text = render_markdown(cells, ("cb_impl", "transformers-cb"), entries=entries, rejected=[("mistral+win-alt", "r")])
+    assert "- **cb_impl**: 1 of 2 decisive (N/A 1, PASS 1)" in text
+    assert "- **transformers-cb**: 2 of 2 decisive (FAIL 1, XFAIL 1)" in text
+    assert "| llama4_text+chunked | moe, chunked attention | N/A: x: chunked | XFAIL(f) |" in text
+    assert "- mistral: r (1: `mistral+win-alt`)" in text and "--combinations --markdown docs/coverage.md" in text
