@@ -151,3 +151,4 @@ def test_the_example_engine_passes_the_conformance_suite_and_its_broken_copy_fai
         assert table[row][0] == "PASS", table
     text = report.read_text()
     assert "finish_reason 'length'" in text and "repro: `pytest --pyargs cbverify.conformance" in text, text
+    assert "## Decisiveness" in text and "(judged by no engine)" not in text, text

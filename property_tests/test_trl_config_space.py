@@ -28,9 +28,10 @@ from dataclasses import replace
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
+from cbverify.decisive import render, tally, vacuous
 from cbverify.tolerances import TRAINER_FP32_PARAM_GRAD
 from cbverify.upstream.findings import FINDINGS
 from cbverify.upstream.recording import record_run
@@ -51,7 +52,15 @@ needs_training = pytest.mark.skipif(CRASH is not None, reason=f"every trainer st
 BUDGET = settings(max_examples=EXAMPLES, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
+# every step check's (check, status, reason) over the configurations this module drew, for the decisiveness test
+TALLY: list[tuple[str, str, str]] = []
+# a configuration every step check can judge, always run first: groups with and without reward spread (the length and
+# digit rewards of two-term sums), dapo with steps_per_generation != gradient_accumulation_steps, truncated rows masked
+DECISIVE = next(f for f in FINDINGS if f.id == "dapo-normaliser-is-not-the-accumulated-batch").repro
+
+
 @BUDGET
+@example(scenario=DECISIVE)
 @given(scenario=trainer_configs(loss_types=LOSS_TYPES))
 def test_every_optimizer_step_matches_the_reference(llama, scenario):
     _assert_every_step_matches(llama, scenario)
@@ -60,6 +69,7 @@ def test_every_optimizer_step_matches_the_reference(llama, scenario):
 def _assert_every_step_matches(llama, scenario):
     model, tokenizer = llama
     results = check_steps(scenario, record_run(scenario, model, tokenizer), model)
+    TALLY.extend((r.check, r.status, r.reason) for r in results)
     assert [r.check for r in results] == list(CHECKS), "every check reports, in order"
     judged = [(r, *judge(r, scenario, model.config.model_type)) for r in results]
     bad = [(r, label) for r, ok, label in judged if not ok]
@@ -287,3 +297,14 @@ def test_the_partition_check_passes_every_consistent_schedule_and_fails_a_misuse
     if g < len(record.generations) - 1:  # a full generation batch that training left before its last micro-batch
         del record.losses[calls[-1]]
         assert check_partition(scenario, record, assignments(record)).status == "FAIL", repr(scenario)
+
+
+def test_every_step_check_judged_some_drawn_configuration():
+    """Runs last in this module: over every configuration the step properties above drew (the decisive example
+    included), each step check judged (PASS or FAIL, an expected FAIL included) at least once. A check that was
+    NOT-APPLICABLE everywhere verified nothing, whatever the properties reported."""
+    if not TALLY:
+        pytest.skip("the step properties did not run in this session (deselected)")
+    tallies = tally(TALLY)
+    print(render(tallies, title=f"step checks over {len(TALLY) // len(CHECKS)} drawn configurations"))
+    assert not vacuous(tallies), render(tallies)

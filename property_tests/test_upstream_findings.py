@@ -154,3 +154,23 @@ def test_a_second_fault_under_a_findings_configuration_is_reported_not_absorbed(
         label,
         faulted.reason,
     )
+
+
+@pytest.mark.slow
+def test_a_second_fault_in_the_loss_under_the_dapo_findings_configuration_is_reported(llama):
+    """The dapo-normaliser finding covers the step checks for every dapo run with steps_per_generation !=
+    gradient_accumulation_steps. Its model predicts each loss call as the reference's times window tokens / (TRL's
+    count); a loss scaled by a further 0.9 (a second normaliser bug) is FAIL naming the finding, while the clean
+    run is its XFAIL."""
+    finding = by_id("dapo-normaliser-is-not-the-accumulated-batch")
+
+    def scaled(trainer):
+        compute = trainer._compute_loss
+        trainer._compute_loss = lambda *args, **kwargs: compute(*args, **kwargs) * 0.9
+
+    for prepare, expected in ((None, f"XFAIL({finding.id})"), (scaled, f"FAIL(not {finding.id}: ")):
+        record = record_run(finding.repro, *llama, prepare=prepare)
+        results = {r.check: r for r in check_steps(finding.repro, record, llama.model)}
+        for check in finding.checks:
+            ok, label = judge(results[check], finding.repro, "llama")
+            assert label.startswith(expected) and ok == (prepare is None), (check, label, results[check].reason)

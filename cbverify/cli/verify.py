@@ -101,6 +101,29 @@ class _Replay:
         return self.rollouts
 
 
+def most_testable(model, requests: list, num_samples: int):
+    """The request the distribution test samples: one of the workload's sampled configurations on the prompt prefix
+    (its first k tokens, k >= 1) whose next-token distribution gives the chi-square test the most bins at
+    ``num_samples`` samples. A trained model sure of its answer leaves one bin at every position of the completion
+    (only a token outside the support could fail there: no power against a wrong distribution); inside a prompt it is
+    unsure (the operands of a question, the words of a sentence), and the engine is still asked with the user's
+    sampling configuration."""
+    from cbverify.distribution import chi_square_bins
+    from reference.generate import process_logits
+    from reference.logprobs import completion_logits
+
+    best, best_bins = None, 0
+    for request in {(r.prompt_ids, r.sampling): r for r in requests if not r.sampling.greedy}.values():
+        ids = list(request.prompt_ids)
+        rows = completion_logits(model, ids[:1], ids[1:] + [0])  # row k: the next token after ids[: k + 1]
+        for k, row in enumerate(rows):
+            probs = process_logits(row, request.sampling).exp().double().cpu()
+            bins = len(chi_square_bins(probs * max(num_samples, 1))[1])
+            if bins > best_bins:
+                best, best_bins = replace(request, prompt_ids=tuple(ids[: k + 1])), bins
+    return best if best is not None else requests[0]
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         plan = _prepare(args)
@@ -109,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     ckpt, model, workload, rollout_config, tier = plan
     requests = list(workload.requests)
-    sampled = requests[1]  # the first prompt's first group member
+    sampled = most_testable(model, requests, args.dist_samples)
     short = replace(sampled.sampling, max_new_tokens=4)  # a few positions suffice; the nodes thin out fast
     dist = [replace(sampled, request_id="dist", sampling=short)] if args.dist_samples else []
     repro = f"cbverify verify --model {args.model} --dtype {args.dtype} --device {args.device} " \

@@ -177,7 +177,14 @@ def pytest_sessionfinish(session) -> None:
     declared = [f"- `{engine}` declares the deviation `{d}`: {DEVIATIONS[d].description}. The properties draw outside "
                 "its domain; `declared deviations are real` holds the declaration to it."
                 for engine in engines for d in _DECLARED.get(engine, ())]  # fmt: skip
-    Path(path).write_text("\n".join([*lines, "", *declared, *([""] if declared else []), *details, ""]))
+    from cbverify.decisive import tally
+
+    tallies = tally((prop, status, reason) for (prop, _), (status, reason) in outcomes.items())
+    judged = ["## Decisiveness", "", "Engines each property judged (PASS / FAIL) and could not (NOT-APPLICABLE, by "
+              "capability or by the engine's own refusal). A property judged by no engine verified nothing here.", "",
+              *(f"- `{t.check}`: {t.judged} judged, {sum(t.not_applicable.values())} not applicable"
+                + (" **(judged by no engine)**" if t.vacuous else "") for t in tallies)]  # fmt: skip
+    Path(path).write_text("\n".join([*lines, "", *declared, *([""] if declared else []), *details, "", *judged, ""]))
 
 
 def _versions(config) -> str:

@@ -224,6 +224,53 @@ def _another_attention(scenario, seen: dict) -> str | None:
     return None if diff >= 1e-2 else f"log-probs off by {diff:.3g}, a rounding-sized difference, not another attention"
 
 
+def _normaliser_ratio(seen: dict) -> list[float] | str:
+    """Per loss call, the factor TRL's dapo / cispo normaliser puts on the reference's loss: the window's active
+    tokens over TRL's count, the generation batch's tokens (``num_items_in_batch``) times, from trl 1.9,
+    gradient_accumulation_steps / steps_per_generation (one mean window)."""
+    window, generation, steps = seen.get("window_tokens"), seen.get("generation_tokens"), seen.get("steps")
+    if not (window and generation and steps):
+        return "the check observed no token counts"
+    per_window = steps[0] / steps[1] if installed_in("trl", ">=1.9") else 1.0
+    return [w / (g * per_window) for w, g in zip(window, generation, strict=True)]
+
+
+def _dapo_losses(scenario, seen: dict) -> str | None:
+    """Every loss call is the reference's times the normaliser ratio (:func:`_normaliser_ratio`), to 1e-4."""
+    predicted = _normaliser_ratio(seen)
+    if isinstance(predicted, str):
+        return predicted
+    for got, want in zip(seen.get("ratio", ()), predicted, strict=True):
+        if got == got and abs(got - want) > 1e-4 * abs(want):  # NaN: a loss the reference puts at 0
+            return f"a loss call is {got:.6g} x the reference's, the release's normaliser gives {want:.6g} x"
+    return None
+
+
+def _dapo_gradient(scenario, seen: dict) -> str | None:
+    """Where every loss call of the step has one normaliser ratio, the step's gradient is the reference's times it
+    (within the float32 step tolerance); a window over generation batches of different sizes mixes ratios, and then
+    only the size of the deviation is predicted (between the smallest and largest ratio)."""
+    predicted = _normaliser_ratio(seen)
+    if isinstance(predicted, str):
+        return predicted
+    ((scale,), (residual,)) = seen["grad_scale"], seen["grad_residual"]
+    ((noise,), (norm,)) = seen["grad_noise"], seen["grad_norm"]
+    slack = 2 * noise / max(norm, 1e-300)
+    if len(set(predicted)) == 1:
+        want = predicted[0]
+        if abs(scale - want) > slack or residual > 2 * noise:
+            return (
+                f"the step's gradient is {scale:.6g} x the reference's (+{residual:.3g} off its direction), the "
+                f"release's normaliser gives {want:.6g} x"
+            )
+    elif not min(predicted) - slack <= scale <= max(predicted) + slack:
+        return (
+            f"the step's gradient is {scale:.6g} x the reference's, outside the ratios {min(predicted):.6g} to "
+            f"{max(predicted):.6g} the release's normaliser gives"
+        )
+    return None
+
+
 PINNED = "transformers 5.24.0 + trl 1.16.0 (+ accelerate 1.15.0)"
 # `cbverify matrix --all-minors 5.8`: the newest patch of every minor release, trl 1.16.0 (+ accelerate 1.15.0)
 MATRIX = (
@@ -494,8 +541,8 @@ FINDINGS: tuple[Finding, ...] = (
         script="dapo_normaliser_is_not_the_accumulated_batch.py",
         step_checks=True,
         predicts={
-            "micro_losses_match_reference": Prediction(r"a loss call returned \S+, reference"),
-            "step_gradients_match_reference": Prediction(r"\|grad - reference\| = "),
+            "micro_losses_match_reference": Prediction(r"a loss call returned \S+, reference", _dapo_losses),
+            "step_gradients_match_reference": Prediction(r"\|grad - reference\| = ", _dapo_gradient),
         },
     ),
     Finding(

@@ -52,7 +52,7 @@ def rloo_kl(scenario: TrainerScenario, record: Record, model) -> list[torch.Tens
         return [None] * len(record.generations)
     from reference.grpo_step import Row, sequence_kl
 
-    config = _step_config(scenario, record.eos_token_ids)
+    config = step_config(scenario, record.eos_token_ids)
     ref_model = _model_at(model, record.steps[0].params)
     out = []
     for g, gen in enumerate(record.generations):
@@ -76,7 +76,7 @@ def _model_at(template, params: dict[str, torch.Tensor]):
     return model
 
 
-def _step_config(scenario: TrainerScenario, eos: tuple[int, ...], bias_correction_kl: bool = True):
+def step_config(scenario: TrainerScenario, eos: tuple[int, ...], bias_correction_kl: bool = True):
     from reference.grpo_step import StepConfig
     from reference.loss import LossConfig
 
@@ -95,7 +95,7 @@ def _clip_factor(norm: float, max_norm: float) -> float:
     return min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
 
 
-def _window_rows(record: Record, window: list[LossCall], assigned: dict[int, list[int]]):
+def window_rows(record: Record, window: list[LossCall], assigned: dict[int, list[int]]):
     from reference.grpo_step import Row
 
     index_of = {id(call): i for i, call in enumerate(record.losses)}
@@ -145,7 +145,7 @@ class StepReference:
 def reference_steps(scenario: TrainerScenario, record: Record, model, assigned: dict[int, list[int]]):
     """One :class:`StepReference` per optimizer step (``None`` for a step with no micro-batch or no gradient), the
     reference fed TRL's advantages (judged on their own by the advantage checks) so that it judges the step's math."""
-    config = _step_config(scenario, record.eos_token_ids, record.use_bias_correction_kl)
+    config = step_config(scenario, record.eos_token_ids, record.use_bias_correction_kl)
     generating = {g: _model_at(model, record.steps[gen.step].params) for g, gen in enumerate(record.generations)}
     ref_model = _model_at(model, record.steps[0].params) if scenario.beta and scenario.trainer == "grpo" else None
     out = []
@@ -154,7 +154,7 @@ def reference_steps(scenario: TrainerScenario, record: Record, model, assigned: 
             out.append(None)
             continue
         current = _model_at(model, step.params)
-        rows = _window_rows(record, window, assigned)
+        rows = window_rows(record, window, assigned)
         objective = _objective(scenario, rows, current, generating, config, ref_model)
         objective.objective.backward()
         grads = {n: p.grad for n, p in current.named_parameters()}

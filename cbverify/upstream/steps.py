@@ -24,7 +24,9 @@ from cbverify.upstream.step_reference import (
     reference_rewards_total,
     reference_steps,
     rloo_kl,
+    step_config,
     step_windows,
+    window_rows,
 )
 
 CHECKS = (
@@ -204,6 +206,7 @@ def _check_windows(scenario, record, model, assigned) -> list[CheckResult]:
     """Loss calls, gradients and logged metrics per optimizer step against :func:`reference_steps`."""
     names = ("micro_losses_match_reference", "step_gradients_match_reference", "logged_metrics_match_reference")
     failures: dict[str, str] = {}
+    seen: dict[str, tuple] = {}  # what a finding's model reads (``active_tokens``: the normalisers involved)
     worst = dict.fromkeys(names, 0.0)
     logged_values = 0
     windows = step_windows(scenario, record)
@@ -212,16 +215,26 @@ def _check_windows(scenario, record, model, assigned) -> list[CheckResult]:
     ):
         if ref is None:
             return [_result(n, scenario, FAIL, f"step {k}: no micro-batch or no gradient recorded") for n in names]
+        tokens = active_tokens(scenario, record, windows[k], assigned)
         for call, want in zip(windows[k], ref.output.micro_losses, strict=True):
             worst[names[0]] = max(worst[names[0]], abs(call.loss - want))
             if not _close(call.loss, want):
                 failures.setdefault(names[0], f"step {k}: a loss call returned {call.loss:.8g}, reference {want:.8g}")
+                seen.setdefault(names[0], (("ratio", tuple(c.loss / w if w else math.nan for c, w in
+                                                          zip(windows[k], ref.output.micro_losses, strict=True))),
+                                           *tokens))  # fmt: skip
         diff = norm_of({n: step.grads[n].double() - g for n, g in ref.grads.items()})
         worst[names[1]] = max(worst[names[1]], diff / max(ref.noise, 1e-30))
         if diff > TRAINER_FP32_PARAM_GRAD * ref.noise:
             failures.setdefault(names[1], f"step {k}: |grad - reference| = {diff:.3g}, |reference| = "
                                 f"{norm_of(ref.grads):.3g} (cancellation-free scale {ref.noise:.3g}; norm before "
                                 f"clipping {ref.norm:.4g}, max_grad_norm {scenario.max_grad_norm})")  # fmt: skip
+            size2 = sum(float((g * g).sum()) for g in ref.grads.values())
+            scale = sum(float((step.grads[n].double() * g).sum()) for n, g in ref.grads.items()) / max(size2, 1e-300)
+            residual = norm_of({n: step.grads[n].double() - scale * g for n, g in ref.grads.items()})
+            seen.setdefault(names[1], (("grad_scale", (scale,)), ("grad_residual", (residual,)),
+                                       ("grad_noise", (TRAINER_FP32_PARAM_GRAD * ref.noise,)),
+                                       ("grad_norm", (math.sqrt(size2),)), *tokens))  # fmt: skip
         logged_norm = step.logs.get("grad_norm")
         if logged_norm is not None and abs(logged_norm - ref.norm) > TRAINER_FP32_PARAM_GRAD * ref.noise_unclipped:
             failures.setdefault(names[1], f"step {k}: logged grad_norm {logged_norm:.8g}, reference {ref.norm:.8g}")
@@ -237,5 +250,25 @@ def _check_windows(scenario, record, model, assigned) -> list[CheckResult]:
     summary = {names[0]: f"{len(record.losses)} loss calls, max |diff| {worst[names[0]]:.1e}",
                names[1]: f"{len(record.steps)} steps, max |diff| / noise scale {worst[names[1]]:.1e}",
                names[2]: f"{logged_values} logged values, max |diff| {worst[names[2]]:.1e}"}  # fmt: skip
-    return [_result(n, scenario, FAIL, failures[n]) if n in failures else _result(n, scenario, PASS, summary[n])
-            for n in names]  # fmt: skip
+    return [_result(n, scenario, FAIL, failures[n], seen.get(n, ())) if n in failures
+            else _result(n, scenario, PASS, summary[n]) for n in names]  # fmt: skip
+
+
+def active_tokens(scenario: TrainerScenario, record: Record, window: list[LossCall], assigned) -> tuple:
+    """The token counts a loss normaliser can be made of, for a finding's model: per loss call of the window, the
+    window's active tokens (the reference's dapo / cispo normaliser) and its generation batch's (TRL's
+    ``num_items_in_batch``), and the accumulation and generation steps."""
+    from reference.grpo_step import Row, completion_mask
+
+    config = step_config(scenario, record.eos_token_ids, record.use_bias_correction_kl)
+    rows = window_rows(record, window, assigned)
+    in_window = sum(float(m.sum()) for micro in rows for m in completion_mask(micro, config))
+
+    def in_generation(g: int) -> float:
+        gen = record.generations[g]
+        batch = [Row(p, c, 0.0, g) for p, c in zip(gen.prompt_ids, gen.completion_ids, strict=True)]
+        return sum(float(m.sum()) for m in completion_mask(batch, config))
+
+    return (("window_tokens", (in_window,) * len(window)),
+            ("generation_tokens", tuple(in_generation(call.generation) for call in window)),
+            ("steps", (float(scenario.gradient_accumulation_steps), float(scenario.spg))))  # fmt: skip
