@@ -153,7 +153,10 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        return "+".join([self.family.name, *(v.tag for _, v in self.values if v.tag)])
+        """``family+tag+...`` of the switches on, ``family+base`` with none: never a zoo architecture's name (the
+        matrix keys cells and checkpoint folders by name)."""
+        tags = [v.tag for _, v in self.values if v.tag]
+        return "+".join([self.family.name, *(tags or ["base"])])
 
     @property
     def features(self) -> tuple[str, ...]:
