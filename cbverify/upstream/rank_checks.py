@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from cbverify.tolerances import STREAM_ALPHA, TRAINER_FP32_PARAM_GRAD, TRAINER_METRIC
+from cbverify.upstream import checks
 from cbverify.upstream.capture import Capture
-from cbverify.upstream.checks import masked_as_truncated
 from cbverify.upstream.findings import FAIL, NA, PASS, CheckResult
 from cbverify.upstream.findings import scenario_result as _result
 from cbverify.upstream.scenario import TrainerScenario
@@ -87,16 +87,14 @@ def exercised(scenario: TrainerScenario, run: Launch) -> dict:
     """What the ranks gave the checks (:func:`cbverify.upstream.checks.exercised` summed over ranks) and the
     completion tokens each rank trained on (rows masked for truncation left out): unequal counts are what tell a
     global token normaliser from a per-rank one."""
-    from cbverify.upstream.checks import exercised as one_capture
-
-    per_rank = [one_capture(scenario, record["capture"]) for record in run.ranks]
+    per_rank = [checks.exercised(scenario, record["capture"]) for record in run.ranks]
     total = {k: sum(e[k] for e in per_rank) for k in per_rank[0]} if per_rank else {}
     # the rewards are gathered: every rank sees every group, so count the groups once
     for key in ("groups_with_spread", "equal_reward_groups"):
         total[key] = per_rank[0][key] if per_rank else 0
     eos = run.ranks[0]["capture"].trainer_info.get("eos_ids", ()) if run.ranks else ()
     trained = [sum(len(c) for g in record["capture"].generations for c in g.completion_ids or []
-                   if not masked_as_truncated(scenario, c, eos)) for record in run.ranks]  # fmt: skip
+                   if not checks.masked_as_truncated(scenario, c, eos)) for record in run.ranks]  # fmt: skip
     return {**total, "trained_tokens_per_rank": trained}
 
 
