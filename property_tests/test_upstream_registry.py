@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -194,3 +195,41 @@ def test_the_unscorable_model_accepts_nansum_advantages_and_refuses_the_referenc
         assert _unscorable_as_zero(
             scenario, {"rewards": tuple(with_nan.tolist()), "advantages": tuple(right.tolist())}
         )
+
+
+def _launch_with(rows_per_rank: list[list[tuple[int, ...]]], prompt: tuple[int, ...]):
+    """A finished 2-rank launch whose ranks generated ``rows_per_rank`` for one prompt (distinct RNG states)."""
+    from cbverify.upstream.capture import Capture, GenerationRecord
+    from cbverify.upstream.distributed import Launch
+
+    ranks = []
+    for r, rows in enumerate(rows_per_rank):
+        completions = [list(c) for c in rows]
+        record = GenerationRecord("train", ["p"] * len(rows), None, None, [list(prompt)] * len(rows), completions)
+        ranks.append({"rng_at_generation": [torch.tensor([r])], "capture": Capture(generations=[record])})
+    return Launch(2, ranks, 0, "")
+
+
+def _greedy(model, prompt, n):
+    from reference.generate import generate
+    from reference.spec import RolloutRequest, SamplingParams
+
+    request = RolloutRequest("g", prompt, SamplingParams(temperature=0.0, max_new_tokens=n), eos_token_ids=())
+    return generate(model, [request])[0].completion_ids
+
+
+def test_the_stream_check_fails_identical_draws_only_where_chance_cannot_explain_them(qwen2):
+    """Independent streams draw one completion on both ranks with probability p(completion), computed from the
+    model: on the random Qwen2 (near-uniform, 6 tokens) identical pairs are a shared stream (FAIL), differing pairs
+    PASS, and where the model makes agreement certain (a top-1 cut) it is NOT-APPLICABLE, naming the chance."""
+    from cbverify.upstream.rank_checks import distinct_streams
+
+    prompt, rows = (1, 6, 5, 16), [(4, 7, 9, 3, 12, 8), (5, 5, 10, 2, 7, 7)]
+    flat = TrainerScenario(num_generations=4, num_prompts=1, nproc=2, max_completion_length=6)
+    same = distinct_streams(flat, _launch_with([rows, rows], prompt), qwen2.model)
+    assert same.status == FAIL and "share a sampling stream" in same.reason, same.reason
+    other = distinct_streams(flat, _launch_with([rows, rows[::-1]], prompt), qwen2.model)
+    assert other.status == PASS, other.reason
+    argmax = [tuple(_greedy(qwen2.model, prompt, 6))] * 2
+    certain = distinct_streams(replace(flat, top_k=1), _launch_with([argmax, argmax], prompt), qwen2.model)
+    assert certain.status == NA and "underpowered" in certain.reason, certain.reason
