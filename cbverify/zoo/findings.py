@@ -53,8 +53,9 @@ ARCHITECTURE_FINDINGS: tuple[ArchitectureFinding, ...] = (
         "reference's top-k support (log-prob diff inf); the same checkpoint with attn_logit_softcapping=None passes "
         "(max |dlogp| 9.5e-7), so CB's paged attention drops the softcap. Feature combinations: each of the 16 "
         "gemma2 ones with attn_logit_softcapping=2.0 (window none / all / alternating / from layer 1, final-logit "
-        "softcap, tied) fails so (greedy tokens diverge at positions 1-4, or log-probs off by 0.096 to 0.44 nats), "
-        "each of the 16 without it passes",
+        "softcap, tied) fails so (log-probs off by 0.096 to 0.44 nats, or inf for a token outside the reference's "
+        "support; the 8 untied ones also diverge in greedy tokens at positions 1-4), each of the 16 without it "
+        "passes",
         features=("attention softcap",),
     ),
     ArchitectureFinding(
