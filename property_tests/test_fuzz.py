@@ -38,7 +38,9 @@ VLLM_EXAMPLES = 6  # ~10-15 s each (a vLLM worker per case): make test-vllm
 def test_every_registered_fuzz_finding_still_reproduces(llama, finding):
     """Strict both ways (``cbverify matrix`` runs it on every release): inside the finding's ``transformers`` range
     the repro must fail as registered (the day upstream fixes it this fails and the entry is updated), outside it
-    the repro must pass (else the range is mis-scoped)."""
+    the repro must pass (else the range is mis-scoped) except where another registered finding explains the check
+    (e.g. before 5.18 a persistent generate_batch's second call returns nothing, which hides what a later call
+    would show)."""
     if not finding.applies(finding.repro):  # e.g. a paused manager before transformers had pause()
         pytest.skip(f"{finding.id}: its repro cannot be expressed on transformers {transformers.__version__}")
     pristine = Pristine(llama.model)
@@ -46,8 +48,9 @@ def test_every_registered_fuzz_finding_still_reproduces(llama, finding):
         checks = run_case(llama.model, finding.repro).checks
     finally:
         pristine.restore()
-    if not transformers_in(finding.transformers):
-        assert not checks & set(finding.checks), (
+    if not transformers_in(finding.transformers):  # a failure another registered finding explains may hide it
+        unexplained = {c for c in checks & set(finding.checks) if covering(finding.engine, c, finding.repro) is None}
+        assert not unexplained, (
             f"{finding.id} reproduces on transformers {transformers.__version__}, outside its registered range "
             f"{finding.transformers!r}: {checks}"
         )
@@ -376,6 +379,8 @@ def test_the_real_generate_batchs_results_broken_after_the_call_are_caught(llama
             pristine.restore()
     registered = {c for c in outcomes["real"].checks if covering("transformers-cb", c, GROUPS)}
     assert outcomes["real"].checks == registered, [(f.check, f.detail) for f in outcomes["real"].failures]
+    if registered & {"result-count", check}:  # e.g. before 5.18 generate_batch drops the forked sequences itself
+        pytest.skip(f"transformers {transformers.__version__} already fails {registered} on this case (registered)")
     assert {"result-count", "results-order", "logprobs"} <= outcomes["real"].decisive
     assert check in outcomes["broken"].checks - outcomes["real"].checks
 

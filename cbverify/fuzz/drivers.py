@@ -205,17 +205,21 @@ class Session:
 
 
 def train_once(model, seed: int) -> None:
-    """One training step as a GRPO loop takes it: forward, backward, SGD step, in train mode (then back)."""
+    """One training step as a GRPO loop takes it: forward, backward, SGD step, in train mode (then back, also when
+    the forward raises, so a failing step is reported as itself and not as a mode the caller never set)."""
     was_training = model.training
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, model.config.vocab_size, (2, 12), generator=g)
     model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    loss = torch.nn.functional.cross_entropy(model(input_ids=ids).logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    model.train(was_training)
+    try:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        logits = model(input_ids=ids).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    finally:
+        model.train(was_training)
 
 
 def _order(step: Step, raw: list[Output]) -> list[Output | None]:

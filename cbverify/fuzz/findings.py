@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from cbverify.engines import transformers_compat as compat
 from cbverify.fuzz.case import FuzzCase, FuzzRequest, Step, pages_needed
 from cbverify.upstream.findings import transformers_in
+from reference import tasks
 
 SEEN = "transformers 5.24.0 (torch 2.13.0, CPU, float32, tiny-llama-arith)"
 PROMPT = (1, 6, 5, 16, 7, 5, 3)
@@ -220,6 +221,23 @@ def _later_config_differs(case: FuzzCase) -> bool:
     return case.persistent and any(strip(g) != strip(calls[0][1]) for _, g in calls[1:])
 
 
+def _prefix_cached(case: FuzzCase, whole: bool = False) -> bool:
+    """A persistent manager sharing blocks, and a later call's prompt starting with a whole page of an earlier call's
+    (``whole``: the same prompt again, its length a multiple of the page size)."""
+    if case.entry != "generate_batch" or not case.persistent or case.config.get("allow_block_sharing") is False:
+        return False
+    page, seen = case.config.get("page_size") or compat.DEFAULT_PAGE_SIZE, []
+    for s in case.calls:
+        prompts = [r.prompt_ids for r in s.requests]
+        for p in prompts:
+            if whole and len(p) % page == 0 and p in seen:
+                return True
+            if not whole and len(p) >= page and any(q[:page] == p[:page] for q in seen if len(q) >= page):
+                return True
+        seen += prompts
+    return False
+
+
 def _prefix_cached_before_a_change(case: FuzzCase) -> bool:
     """A persistent manager sharing blocks, and a call after a training step or weight update whose prompt starts
     with a whole page of a prompt some call before that change had."""
@@ -336,6 +354,9 @@ BATCH_FINDINGS: tuple[FuzzFinding, ...] = (
             generation={"do_sample": False, "eos_token_id": 2, "max_new_tokens": 8},
             persistent=True,
         ),  # fmt: skip
+        affected="transformers 5.9.0 to 5.24.0; on 5.8 a later call of a persistent manager returns nothing "
+        "(cb-persistent-generate-batch-answers-only-its-first-call), which hides it (the repro in each venv)",
+        transformers=">=5.9",
     ),
     FuzzFinding(
         id="cb-persistent-manager-reuses-kv-from-old-weights",
@@ -357,6 +378,111 @@ BATCH_FINDINGS: tuple[FuzzFinding, ...] = (
             persistent=True,
             allow_block_sharing=True,
         ),  # fmt: skip
+        affected="transformers 5.9.0 to 5.24.0; on 5.8 a later call of a persistent manager returns nothing "
+        "(cb-persistent-generate-batch-answers-only-its-first-call), which hides it (the repro in each venv)",
+        transformers=">=5.9",
+    ),
+)
+BATCH_FINDINGS += (
+    FuzzFinding(
+        id="cb-per-request-top-k-beyond-vocab-crashes",
+        engine="transformers-cb",
+        checks=("engine-crash", "request-failed", "result-count"),
+        when="per_request_processors=True and a sampled GenerationConfig(top_k > the vocabulary size)",
+        applies=lambda case: (
+            bool(case.config.get("per_request_processors"))
+            and any(g.get("do_sample") and (g.get("top_k") or 0) > tasks.VOCAB_SIZE for g in case.generations())
+        ),
+        evidence="top_k=39 on the 32-token vocabulary: ContinuousBatchingTopKLogitsWarper gathers the sorted scores "
+        "at top_k - 1 without clamping it to the vocabulary, the generation thread dies with RuntimeError('index "
+        "38 is out of bounds for dimension 1 with size 32') and every request comes back failed (top_k equal to "
+        "the vocabulary size works; 5.24 clamps)",
+        repro=_batch(
+            _inputs(0, PROMPT, max_new_tokens=2),
+            generation={"do_sample": True, "top_k": tasks.VOCAB_SIZE + 7, "eos_token_id": 2},
+            per_request_processors=True,
+        ),
+        affected="transformers 5.8.1, 5.16.1, 5.18.0, 5.20.2, 5.23.0; not 5.24.0 (the repro in each venv)",
+        transformers="<5.24",
+    ),
+    FuzzFinding(
+        id="cb-generate-batch-drops-forked-sequences",
+        engine="transformers-cb",
+        checks=("result-count",),
+        when="generate_batch with GenerationConfig(num_return_sequences > 1)",
+        applies=lambda case: _asks(case, "num_return_sequences", lambda v: (v or 1) > 1),
+        evidence="do_sample=True, num_return_sequences=2, one input: one result comes back; the manager forks the "
+        "children (req_0__child#0) but generate_batch returns only the keys req_0 .. req_<len(inputs)-1>",
+        repro=_batch(
+            _inputs(0, PROMPT, max_new_tokens=2),
+            generation={"do_sample": True, "num_return_sequences": 2, "eos_token_id": 2},
+        ),
+        affected="transformers 5.8.1, 5.16.1, 5.17.0; not 5.18.0 to 5.24.0 (the repro in each venv)",
+        transformers="<5.18",
+    ),
+    FuzzFinding(
+        id="cb-persistent-generate-batch-answers-only-its-first-call",
+        engine="transformers-cb",
+        checks=("result-count",),
+        when="generate_batch(persistent_manager=True) called more than once",
+        applies=lambda case: case.entry == "generate_batch" and case.persistent and len(case.calls) > 1,
+        evidence="the second call of a persistent manager with one input returns {}: the cached manager numbers "
+        "requests on from its counter (req_1) while generate_batch looks its results up as req_0 .. "
+        "req_<len(inputs)-1>, so a later call gets back only the results whose number happens to be below its "
+        "input count",
+        repro=_batch(
+            Step("call", _inputs(0, PROMPT, max_new_tokens=2)),
+            Step("call", _inputs(1, PROMPT, max_new_tokens=2)),
+            generation={"do_sample": False, "eos_token_id": 2, "max_new_tokens": 2},
+            persistent=True,
+        ),
+        affected="transformers 5.8.1; not 5.9.0 to 5.24.0 (the repro in each venv)",
+        transformers="<5.9",
+    ),
+    FuzzFinding(
+        id="cb-persistent-fork-of-a-cached-whole-page-prompt-crashes",
+        engine="transformers-cb",
+        checks=("engine-crash", "request-failed", "result-count"),
+        when="generate_batch(persistent_manager=True), block sharing on, num_return_sequences > 1, and a later call "
+        "asking again for a prompt whose length is a multiple of page_size",
+        applies=lambda case: (
+            _prefix_cached(case, whole=True) and _asks(case, "num_return_sequences", lambda v: (v or 1) > 1)
+        ),
+        evidence="page_size=4, an 8-token prompt, do_sample=True, num_return_sequences=2, asked in two calls of a "
+        "persistent manager: the second call's generation thread dies with RuntimeError('cannot reshape tensor "
+        "of 0 elements into shape [1, 0, -1, 32] ...'): every page of the prompt is found cached, and the forked "
+        "request is scheduled with no token to compute",
+        repro=_batch(
+            Step("call", _inputs(0, ARITH[:8], max_new_tokens=2)),
+            Step("call", _inputs(1, ARITH[:8], max_new_tokens=2)),
+            generation={"do_sample": True, "num_return_sequences": 2, "eos_token_id": 2, "max_new_tokens": 2},
+            persistent=True,
+        ),
+        affected="transformers 5.8.1, 5.9.0, 5.16.1, 5.17.0; not 5.18.0 to 5.24.0 (the repro in each venv)",
+        transformers="<5.18",
+    ),
+    FuzzFinding(
+        id="cb-fork-without-room-kills-the-loop",
+        engine="transformers-cb",
+        checks=("engine-crash", "request-failed", "result-count"),
+        when="num_return_sequences > 1 and a cache too small for every forked copy at once",
+        applies=lambda case: (
+            _asks(case, "num_return_sequences", lambda v: (v or 1) > 1)
+            and case.config.get("num_blocks") is not None
+            and case.config["num_blocks"]
+            < max(g.get("num_return_sequences") or 1 for g in case.generations())
+            * pages_needed(case.requests, case.config.get("page_size") or compat.DEFAULT_PAGE_SIZE)
+        ),
+        evidence="page_size=4, num_blocks=4, an 8-token prompt, 4 new tokens, do_sample=True, num_return_sequences=3: "
+        "the generation thread dies with ValueError('Failed to fork blocks for request req_0') and the request "
+        "comes back failed; the release that fixes it forks what fits and queues the other copies as new requests",
+        repro=_batch(
+            Step("call", _inputs(0, ARITH[:8], max_new_tokens=4), options={"max_new_tokens": 4}),
+            generation={"do_sample": True, "num_return_sequences": 3, "eos_token_id": []},
+            num_blocks=4,
+        ),
+        affected="transformers 5.8.1, 5.9.0; not 5.16.1 to 5.24.0; 5.10 to 5.15 not run (the repro in each venv)",
+        transformers="<5.16",
     ),
 )
 FUZZ_FINDINGS = FUZZ_FINDINGS + BATCH_FINDINGS

@@ -113,8 +113,9 @@ def candidates(case: FuzzCase):
                     steps[:i] + [replace(s, requests=s.requests[:j] + s.requests[j + 1 :])] + steps[i + 1 :]
                 )
         for j, r in enumerate(s.requests):
-            for smaller in (replace(r, max_new_tokens=max(1, r.max_new_tokens // 2)),
-                            replace(r, prompt_ids=r.prompt_ids[: max(1, len(r.prompt_ids) // 2)])):  # fmt: skip
+            shorter = replace(r, max_new_tokens=max(1, r.max_new_tokens // 2))  # generate_batch: the call's limit
+            for smaller in ((shorter,) if case.entry == "manager" else ()) + (
+                    replace(r, prompt_ids=r.prompt_ids[: max(1, len(r.prompt_ids) // 2)]),):  # fmt: skip
                 if smaller != r:
                     reqs = s.requests[:j] + (smaller,) + s.requests[j + 1 :]
                     yield case.with_steps(steps[:i] + [replace(s, requests=reqs)] + steps[i + 1 :])
