@@ -119,7 +119,37 @@ def test_unsupported_features_are_named_from_the_config_alone():
         assert "ALiBi" in " ".join(unsupported_features(config)), config
     assert not any("ALiBi" in f for f in unsupported_features(FalconConfig()))
     assert "encoder-decoder" in " ".join(unsupported_features(T5Config()))
+    # Llama 4's temperature tuning acts on NoPE layers only, and SmolLM3's NoPE layers have none
+    from transformers import SmolLM3Config
+
+    nope = dict(num_hidden_layers=2, no_rope_layers=[1, 0], attention_chunk_size=None)
+    assert "temperature tuning" in " ".join(unsupported_features(Llama4TextConfig(**nope)))
+    assert unsupported_features(Llama4TextConfig(**nope, attn_temperature_tuning=False)) == []
+    assert unsupported_features(Llama4TextConfig(**nope | dict(no_rope_layers=[1, 1]))) == []
+    assert unsupported_features(SmolLM3Config(num_hidden_layers=2, no_rope_layers=[1, 0])) == []
     assert unsupported_features(SimpleNamespace(num_attention_heads=4)) == []  # no optional field: nothing to refuse
+
+
+def test_a_window_only_the_mask_carries_is_read_per_layer_as_transformers_mask_builder_reads_it():
+    """``mask_window`` (for models that pass no ``sliding_window`` to the attention function) against the config
+    fields transformers' mask builder reads: the window on the layers ``layer_types`` marks sliding, on every layer
+    without ``layer_types`` (PhiMoE), none without a window, and a stray ``layer_types`` is not read."""
+    from types import SimpleNamespace
+
+    from transformers import PhimoeConfig, Qwen2MoeConfig
+
+    from cb_impl.support import mask_window
+
+    types = ["sliding_attention", "full_attention", "full_attention", "sliding_attention"]
+    qwen = Qwen2MoeConfig(num_hidden_layers=4, use_sliding_window=True, sliding_window=7, layer_types=types)
+    assert [mask_window(qwen, i) for i in range(4)] == [7 if t == "sliding_attention" else None for t in types]
+    assert [mask_window(Qwen2MoeConfig(num_hidden_layers=2), i) for i in range(2)] == [None, None]  # no window
+    phimoe = PhimoeConfig(num_hidden_layers=2, sliding_window=7)
+    stray = PhimoeConfig(num_hidden_layers=2, sliding_window=7, layer_types=types[:2])
+    assert [mask_window(c, i) for c in (phimoe, stray) for i in range(2)] == [7] * 4
+    assert mask_window(PhimoeConfig(), 0) is None and mask_window(SimpleNamespace(), 0) is None
+    bare = SimpleNamespace(sliding_window=3, layer_types=["full_attention", "sliding_attention"])  # not a dataclass
+    assert [mask_window(bare, i) for i in range(2)] == [None, 3]
 
 
 def test_configs_of_other_releases_and_bare_objects_are_refused_by_name_or_accepted_as_plain_attention():
