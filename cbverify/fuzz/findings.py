@@ -263,6 +263,8 @@ BATCH_FINDINGS: tuple[FuzzFinding, ...] = (
         checks=("engine-crash", "request-failed", "result-count", *BATCH_CONTENT),
         when="GenerationConfig(no_repeat_ngram_size > 0)",
         applies=lambda case: _asks(case, "no_repeat_ngram_size"),
+        affected="transformers 5.8.1, 5.9.0, 5.16.1, 5.17.0, 5.18.0, 5.20.2, 5.23.0, 5.24.0 (the repro in each venv; "
+        "the releases between them not run)",
         evidence="NoRepeatNGramLogitsProcessor is kept (supports_continuous_batching unset: 'might not be supported', "
         "a log line) and called with input_ids = batch['input_ids'][0, logits_indices], one last token per row "
         "(1-D): with fewer rows than n it bans nothing (cur_len is the row count), otherwise "
@@ -279,6 +281,8 @@ BATCH_FINDINGS: tuple[FuzzFinding, ...] = (
         checks=("min-new-tokens", "tokens", "logprobs", "support", "conventions"),
         when="GenerationConfig(min_length > 0) (the whole sequence's minimum, prompt included)",
         applies=lambda case: _asks(case, "min_length"),
+        affected="transformers 5.8.1, 5.9.0, 5.16.1, 5.17.0, 5.18.0, 5.20.2, 5.23.0, 5.24.0 (the repro in each venv; "
+        "the releases between them not run)",
         evidence="greedy, min_length=14 for a 7-token prompt, EOS=2: generate_batch returns (22, 20, 17, 7, 5, 3, 2) "
         "(EOS at 6, 13 tokens in all) where the oracle, as generate() does, holds EOS back to the 14th token: "
         "MinLengthLogitsProcessor is marked supports_continuous_batching=False and dropped (a log line)",
@@ -292,6 +296,8 @@ BATCH_FINDINGS: tuple[FuzzFinding, ...] = (
         checks=("tokens", "conventions", "min-new-tokens", "support", "logprobs", "no-repeat-ngram"),
         when="generate_batch with a GenerationConfig that leaves eos_token_id unset",
         applies=_eos_unset,
+        affected="transformers 5.8.1, 5.9.0, 5.16.1, 5.17.0, 5.18.0, 5.20.2, 5.23.0, 5.24.0 (the repro in each venv; "
+        "the releases between them not run)",
         evidence="GenerationConfig(do_sample=False) with model.generation_config.eos_token_id=2: generate() takes "
         "the model's EOS for the unset field and stops at it; init_continuous_batching sets eos_token_id=-1 "
         "('not set in GenerationConfig. Setting to -1 (disabled)', a warning) before add_requests' own fallback "
@@ -307,6 +313,8 @@ BATCH_FINDINGS: tuple[FuzzFinding, ...] = (
         checks=("state:generation-config",),
         when="generate_batch with a GenerationConfig that leaves eos_token_id unset",
         applies=_eos_unset,
+        affected="transformers 5.8.1, 5.9.0, 5.16.1, 5.17.0, 5.18.0, 5.20.2, 5.23.0, 5.24.0 (the repro in each venv; "
+        "the releases between them not run)",
         evidence="after generate_batch(inputs, generation_config=GenerationConfig(do_sample=False)) the caller's "
         "config has eos_token_id=-1 (was None): init_continuous_batching assigns it on the object passed in "
         "(with no config passed, on model.generation_config itself), so a later generate() with it warns that "
@@ -322,6 +330,8 @@ BATCH_FINDINGS: tuple[FuzzFinding, ...] = (
         checks=("result-count", "results-order", *BATCH_CONTENT),
         when="generate_batch given a generation option as a keyword argument (other than max_new_tokens)",
         applies=_swallowed_kwargs,
+        affected="transformers 5.8.1, 5.9.0, 5.16.1, 5.17.0, 5.18.0, 5.20.2, 5.23.0, 5.24.0 (the repro in each venv; "
+        "the releases between them not run)",
         evidence="generate_batch(..., num_return_sequences=2) returns one result per input, and eos_token_id=[], "
         "min_new_tokens=8 or do_sample=True given the same way change nothing: generate_batch pops "
         "max_new_tokens from **kwargs ('the only expected kwarg') and silently ignores the rest, where generate() "
@@ -402,7 +412,8 @@ BATCH_FINDINGS += (
             generation={"do_sample": True, "top_k": tasks.VOCAB_SIZE + 7, "eos_token_id": 2},
             per_request_processors=True,
         ),
-        affected="transformers 5.8.1, 5.16.1, 5.18.0, 5.20.2, 5.23.0; not 5.24.0 (the repro in each venv)",
+        affected="transformers 5.8.1, 5.9.0, 5.16.1, 5.17.0, 5.18.0, 5.20.2, 5.23.0; not 5.24.0 (the repro in each "
+        "venv)",
         transformers="<5.24",
     ),
     FuzzFinding(
@@ -417,7 +428,7 @@ BATCH_FINDINGS += (
             _inputs(0, PROMPT, max_new_tokens=2),
             generation={"do_sample": True, "num_return_sequences": 2, "eos_token_id": 2},
         ),
-        affected="transformers 5.8.1, 5.16.1, 5.17.0; not 5.18.0 to 5.24.0 (the repro in each venv)",
+        affected="transformers 5.8.1, 5.9.0, 5.16.1, 5.17.0; not 5.18.0 to 5.24.0 (the repro in each venv)",
         transformers="<5.18",
     ),
     FuzzFinding(
