@@ -347,3 +347,21 @@ def test_the_combination_table_counts_decisive_cells_per_engine():
     assert "- **transformers-cb**: 2 of 2 decisive (FAIL 1, XFAIL 1)" in text
     assert "| llama4_text+chunked | moe, chunked attention | N/A: x: chunked | XFAIL(f) |" in text
     assert "- mistral: r (1: `mistral+win-alt`)" in text and "--combinations --markdown docs/coverage.md" in text
+
+
+def test_an_architecture_finding_explains_only_the_failure_it_predicts():
+    """A registered crash excuses its own message on its architectures, never another failure of the same engine
+    there (a second bug is a FAIL); the wrong-numbers finding excuses divergences and log-prob gaps, not crashes."""
+    from cbverify.zoo.findings import ARCHITECTURE_FINDINGS, architecture_finding
+
+    head = "generate raised EngineError: transformers-cb: request 'long-greedy' failed upstream: "
+    own = head + "'PagedAttentionCache' object has no attribute 'get_seq_length'"
+    assert architecture_finding("transformers-cb", "falcon", [own]).id == "cb-cache-lacks-get-seq-length"
+    assert architecture_finding("transformers-cb", "falcon", [head + "KeyError: 'cu_seq_lens_q'"]) is None
+    assert architecture_finding("transformers-cb", "falcon", [own, "log-probs off: max 0.2"]) is None
+    wrong = ["request 'long-greedy': tokens diverge at position 3", "log-probs off: max 0.151 (at 'x' position 7)"]
+    assert architecture_finding("transformers-cb", "gemma2", wrong, features=("attention softcap",)).id == (
+        "cb-ignores-attention-softcap"
+    )
+    assert architecture_finding("transformers-cb", "gemma2", [own], features=("attention softcap",)) is None
+    assert all(f.problems for f in ARCHITECTURE_FINDINGS)

@@ -42,11 +42,32 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=int, default=3600, help="seconds allowed per step of a combination")
 
 
+def _below_trl_floor(versions: list[str]) -> str | None:
+    """Why a trl version (not a checkout path) is out of reach, if one is (``trl_compat.FLOOR``)."""
+    from packaging.version import InvalidVersion, Version
+
+    from cbverify.upstream.trl_compat import FLOOR
+
+    for v in versions:
+        try:
+            below = Version(v) < Version(FLOOR)
+        except InvalidVersion:  # a checkout path
+            continue
+        if below:
+            return (f"trl {v} is before {FLOOR}: trl 0.14 to 0.28 read transformers' _is_package_available as a bool, "
+                    "a (bool, version) tuple from transformers 5.0, and their GRPOTrainer fails to import beside "
+                    "transformers >= 5 (cbverify.upstream.trl_compat)")  # fmt: skip
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     import transformers
     from tqdm import tqdm
 
     versions = list(args.transformers) + (minor_releases("transformers", args.all_minors) if args.all_minors else [])
+    if problem := _below_trl_floor([*args.trl, *([args.all_trl_minors] if args.all_trl_minors else [])]):
+        print(f"cbverify matrix: error: {problem}")
+        return 2
     trls = list(args.trl) + (minor_releases("trl", args.all_trl_minors) if args.all_trl_minors else [])
     if not versions and not trls:
         raise SystemExit("cbverify matrix: give --transformers / --all-minors and/or --trl / --all-trl-minors")

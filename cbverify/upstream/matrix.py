@@ -127,8 +127,9 @@ def _probe(python: Path, log) -> tuple[str | None, str] | None:
 
 
 def minor_releases(package: str, since: str) -> list[str]:
-    """The newest final patch release of every ``package`` minor version from ``since`` within its major, oldest
-    first, as the package index lists them (``pip index versions``); an unreachable index is an error."""
+    """The newest final patch release of every ``package`` minor version from ``since`` on (later majors included:
+    trl 0.29 is followed by 1.0), oldest first, as the package index lists them (``pip index versions``); an
+    unreachable index is an error."""
     from packaging.version import Version
 
     proc = subprocess.run([sys.executable, "-m", "pip", "index", "versions", package],
@@ -139,7 +140,7 @@ def minor_releases(package: str, since: str) -> list[str]:
     floor = Version(since)
     newest: dict[tuple[int, int], Version] = {}
     for v in (Version(x.strip()) for x in listed[0].split(":", 1)[1].split(",")):
-        if v.is_prerelease or v.is_devrelease or v.major != floor.major or v.minor < floor.minor:
+        if v.is_prerelease or v.is_devrelease or (v.major, v.minor) < (floor.major, floor.minor):
             continue
         newest[(v.major, v.minor)] = max(v, newest.get((v.major, v.minor), v))
     return [str(newest[k]) for k in sorted(newest)]

@@ -30,6 +30,15 @@ the padded completion ids, which an empty first row makes float through ``torch.
 refuses them). Where a release is wrong rather than different, it is a registered finding instead
 (:mod:`cbverify.upstream.findings`, with its ``trl`` range).
 
+Before 1.0: trl 0.29 (the last 0.x) runs through the same detection (its ``_generate`` has 1.0's 7 fields, one EOS id
+in ``trainer.eos_token_id``, no CB configuration, ``vllm_importance_sampling_cap``; ``cbverify matrix --trl 0.29.1``).
+Earlier releases stop at :data:`FLOOR`: trl 0.14 (the first with ``GRPOTrainer``) to 0.28 import transformers'
+``_is_package_available`` and read its result as a bool, but from transformers 5.0 it returns a ``(bool, version)``
+tuple, always true, so every optional dependency reads as installed and ``import trl.trainer.grpo_trainer`` fails on
+the first absent one (vllm in 0.14 to 0.23, mergekit in 0.24 and 0.25, weave in 0.26 to 0.28; 0.14.0, 0.23.0, 0.24.0,
+0.25.1, 0.26.2, 0.27.2 and 0.28.0 were tried beside transformers 5.24.0). They need transformers 4.x, which has no
+continuous batching (5.8+): the engines and checks this suite is about.
+
 The same in every release (checked; nothing to adapt): the five wrapped trainer methods, ``rollout_func`` (a
 ``GRPOTrainer`` argument; ``RLOOTrainer`` never takes one), the loss types ``_compute_loss`` knows (grpo, bnpo,
 dr_grpo, dapo, cispo, sapo, luspo, vespo; :func:`loss_types` reads them), ``scale_rewards`` (group / batch / none),
@@ -53,6 +62,9 @@ from functools import cache
 import trl
 from packaging.version import Version
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+
+# the oldest trl this layer reaches beside transformers >= 5 (the module docstring says why the releases before stop)
+FLOOR = "0.29"
 
 VERSION = trl.__version__
 TRAINERS = {"grpo": (GRPOTrainer, GRPOConfig), "rloo": (RLOOTrainer, RLOOConfig)}

@@ -8,6 +8,7 @@ it. Each entry carries measured evidence and the transformers versions it was se
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,8 +25,22 @@ class ArchitectureFinding:
     affected: str
     evidence: str
     transformers: str = ""  # PEP 440 specifier, as Finding.transformers
-    problems: tuple[str, ...] = ()  # the report problems it explains, by their opening words; () means any
+    # the failure it predicts: every problem line of the report must match one of these regular expressions (the
+    # exception and message the engine raises, or the kind of wrong number): another failure is not this finding's
+    problems: tuple[str, ...] = ()
     features: tuple[str, ...] = ()  # the entry's features it needs, all of them (Arch.features); () means any
+
+    def __post_init__(self) -> None:
+        if not self.problems:
+            raise ValueError(f"architecture finding {self.id}: problems must predict the failure it excuses")
+
+    def explains(self, problems: Sequence[str]) -> bool:
+        return all(any(re.search(p, line) for p in self.problems) for line in problems)
+
+
+def _crash(message: str) -> str:
+    """The problem line of a transformers-cb run whose requests failed upstream with exactly ``message``."""
+    return r"^generate raised EngineError: transformers-cb: request '[^']+' failed upstream: " + re.escape(message)
 
 
 ZOO_SEEN = "transformers 5.24.0 (torch 2.13.0, CPU, float32; the only version the zoo was run on)"
@@ -57,6 +72,7 @@ ARCHITECTURE_FINDINGS: tuple[ArchitectureFinding, ...] = (
         "support; the 8 untied ones also diverge in greedy tokens at positions 1-4), each of the 16 without it "
         "passes",
         features=("attention softcap",),
+        problems=(r"^request '[^']+': tokens diverge at position \d+", r"^log-probs off: max "),
     ),
     ArchitectureFinding(
         id="cb-cache-lacks-get-seq-length",
@@ -66,6 +82,7 @@ ARCHITECTURE_FINDINGS: tuple[ArchitectureFinding, ...] = (
         evidence="every request fails at the first step: the model's forward calls cache.get_seq_length() on the "
         "PagedAttentionCache CB passes (AttributeError: 'PagedAttentionCache' object has no attribute "
         "'get_seq_length'); the manager logs it and returns the requests failed",
+        problems=(_crash("'PagedAttentionCache' object has no attribute 'get_seq_length'"),),
     ),
     ArchitectureFinding(
         id="cb-gpt-neox-cache-update-signature",
@@ -74,6 +91,7 @@ ARCHITECTURE_FINDINGS: tuple[ArchitectureFinding, ...] = (
         affected=ZOO_SEEN,
         evidence="every request fails at the first step: GPTNeoXAttention calls layer_past.update(k, v, layer_idx) "
         "and PagedAttentionCache.update() requires a further 'kwargs' argument (TypeError)",
+        problems=(_crash("PagedAttentionCache.update() missing 1 required positional argument: 'kwargs'"),),
     ),
     ArchitectureFinding(
         id="cb-missing-cu-seq-lens-k",
@@ -82,6 +100,7 @@ ARCHITECTURE_FINDINGS: tuple[ArchitectureFinding, ...] = (
         affected=ZOO_SEEN,
         evidence="every request fails at the first step with KeyError: 'cu_seq_lens_k' (the paged attention reads "
         "CB's varlen metadata, which these models' forward does not pass through to the attention function)",
+        problems=(_crash("'cu_seq_lens_k'"),),
     ),
     ArchitectureFinding(
         id="cb-mpt-mask-crash",
@@ -90,6 +109,7 @@ ARCHITECTURE_FINDINGS: tuple[ArchitectureFinding, ...] = (
         affected=ZOO_SEEN,
         evidence="every request fails at the first step: MptModel builds its ALiBi mask from attention_mask, which "
         "CB passes as None (AttributeError: 'NoneType' object has no attribute 'to')",
+        problems=(_crash("'NoneType' object has no attribute 'to'"),),
     ),
     ArchitectureFinding(
         id="cb-mla-cache-shape",
@@ -99,6 +119,7 @@ ARCHITECTURE_FINDINGS: tuple[ArchitectureFinding, ...] = (
         evidence="every request fails at the first step: the paged cache is sized num_key_value_heads x head_dim "
         "(2 x 8) while multi-head latent attention writes 4 heads x 16 (RuntimeError in index_copy_: source/"
         "destination slice shapes differ)",
+        problems=(_crash("index_copy_(): Source/destination tensor must have same slice shapes"),),
     ),
     ArchitectureFinding(
         id="cb-temperature-tuning-get-seq-length",
@@ -111,6 +132,7 @@ ARCHITECTURE_FINDINGS: tuple[ArchitectureFinding, ...] = (
         "llama4_text feature combinations with no_rope_layers=[1, 0] and attn_temperature_tuning fails so, each of "
         "the 8 with the same NoPE layer and the tuning off passes (CB refuses the chunked ones)",
         features=("no rope on layer 1", "attention temperature tuning"),
+        problems=(_crash("'PagedAttentionCache' object has no attribute 'get_seq_length'"),),
     ),
 )
 
@@ -124,7 +146,7 @@ def architecture_finding(engine: str, arch: str, problems: Sequence[str] = (),
         if features is not None and not set(f.features) <= set(features):
             continue
         if f.engine == engine and (not f.architectures or arch in f.architectures):
-            if transformers_in(f.transformers) and (not f.problems or all(p.startswith(f.problems) for p in problems)):
+            if transformers_in(f.transformers) and f.explains(problems):
                 return f
     return None
 
