@@ -280,7 +280,8 @@ MATRIX = (
 ALL_SEEN = f"every transformers release of the matrix ({MATRIX}) with trl 1.16.0"
 # `cbverify matrix --all-trl-minors 1.0`: the newest patch of every trl minor release beside transformers 5.24.0
 TRL_MATRIX = (
-    "1.0.0, 1.1.0, 1.2.0, 1.3.0, 1.4.0, 1.5.1, 1.6.0, 1.7.1, 1.8.0, 1.9.2, 1.10.0 to 1.13.0, 1.14.2, 1.15.0, 1.16.0"
+    "0.29.1 (cbverify matrix --trl 0.29.1), 1.0.0, 1.1.0, 1.2.0, 1.3.0, 1.4.0, 1.5.1, 1.6.0, 1.7.1, 1.8.0, 1.9.2, "
+    "1.10.0 to 1.13.0, 1.14.2, 1.15.0, 1.16.0"
 )
 ALL_SEEN_TRL = f"{ALL_SEEN}; every trl release of the TRL matrix ({TRL_MATRIX}) with transformers 5.24.0"
 CB_SEEN = f"{ALL_SEEN}; trl 1.7.1 to 1.16.0 with transformers 5.24.0 (the TRL matrix; TRL has the cb path from 1.7)"
@@ -475,7 +476,7 @@ FINDINGS: tuple[Finding, ...] = (
         path="*",
         when="loss_type='luspo' at importance_sampling_level='token' (TRL's default level), rows of unequal length",
         applies=lambda s: s.loss_type == "luspo" and s.importance_sampling_level == "token",
-        affected="transformers 5.24.0 + trl 1.0.0 to 1.9.2 (the TRL matrix); not 1.10.0 to 1.16.0",
+        affected="transformers 5.24.0 + trl 0.29.1 and 1.0.0 to 1.9.2 (the TRL matrix); not 1.10.0 to 1.16.0",
         trl="<1.10",
         evidence="_compute_loss aggregates luspo as (per_token_loss * mask.sum(1, keepdim=True)).mean(), right only "
         "for a (B, 1) per-sequence term: at token level the term is (B, T), so padded positions count and the mean "
@@ -493,7 +494,7 @@ FINDINGS: tuple[Finding, ...] = (
         path="*",
         when="a reward function returns None for a completion (unscorable; TRL turns it into NaN)",
         applies=lambda s: s.reward == "unscorable",
-        affected="transformers 5.24.0 + trl 1.0.0 to 1.5.1 (the TRL matrix); not 1.6.0 to 1.16.0",
+        affected="transformers 5.24.0 + trl 0.29.1 and 1.0.0 to 1.5.1 (the TRL matrix); not 1.6.0 to 1.16.0",
         trl="<1.6",
         evidence="_generate_and_score_completions sums the reward functions with nansum, so an unscorable "
         "completion's reward is 0, and that 0 enters its group's mean and std: group rewards [r1, r2, None] give "
@@ -511,7 +512,8 @@ FINDINGS: tuple[Finding, ...] = (
         when="loss_type dapo or cispo with steps_per_generation != gradient_accumulation_steps, windows of unequal "
         "active-token counts (the step checks of cbverify.upstream.steps)",
         applies=lambda s: s.loss_type in ("dapo", "cispo") and s.spg != s.gradient_accumulation_steps,
-        affected="transformers 5.24.0 + trl 1.0.0 to 1.16.0 (the TRL matrix): every release; the form changed in 1.9",
+        affected="transformers 5.24.0 + trl 0.29.1 and 1.0.0 to 1.16.0 (the TRL matrix): every release; the form "
+        "changed in 1.9",
         evidence="GRPOConfig documents dapo/cispo as normalised by the active tokens of the global accumulated batch; "
         "_compute_loss divides every micro-batch by num_items_in_batch, the generation batch's active tokens (up "
         "to 1.8), times gradient_accumulation_steps / steps_per_generation from 1.9 (the mean window): a window "
