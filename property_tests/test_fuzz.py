@@ -139,9 +139,9 @@ def test_a_written_json_record_replays_as_the_same_case(tmp_path):
 
     from cbverify.fuzz.case import FuzzCase
 
-    finding = FUZZ_FINDINGS[0]
-    record = repro.write(tmp_path, finding.repro, "x", "detail", finding.id)[0]
-    assert FuzzCase.from_json(json.loads(record.read_text())["case"]) == finding.repro
+    for finding in FUZZ_FINDINGS:  # manager programs and generate_batch ones (per-call configs, options, pauses)
+        record = repro.write(tmp_path, finding.repro, "x", "detail", finding.id)[0]
+        assert FuzzCase.from_json(json.loads(record.read_text())["case"]) == finding.repro
 
 
 # ------------------------------------------------------------------------------------------------ model.generate_batch

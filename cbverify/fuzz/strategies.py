@@ -172,7 +172,7 @@ def batch_options(draw, generation: dict, moved: str | None) -> dict:
 
 def _batch_prompts(draw, call: int, earlier: list[tuple[int, ...]], max_prompt_len: int = 40) -> list[tuple[int, ...]]:
     """1-3 prompts (each repeated 1-2 times, as TRL repeats a GRPO group's prompt); after the first call a prompt
-    may be an earlier call's, or an earlier prompt's head (a shared system prompt) with a new tail."""
+    may be an earlier call's, or an earlier prompt's head (a common system prompt) with a new tail."""
     out = []
     for _ in range(draw(st.integers(1, 3))):
         kind = draw(st.sampled_from(["fresh", "fresh", "again", "head"])) if earlier else "fresh"
