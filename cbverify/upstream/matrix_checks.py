@@ -15,8 +15,9 @@ Each step is this repository's own command run by the venv's interpreter; each g
    repro, strict both ways (inside its ``transformers`` range it must reproduce, outside it must not), read from a
    JUnit XML file;
 3. ``verify``: ``python -m cbverify verify --json`` on the bundled model: one row per engine;
-4. ``fuzz`` (with ``--fuzz N``): ``python -m cbverify fuzz --engine transformers-cb --examples N --json``: one row,
-   ``pass`` (nothing found), ``xfail(k)`` (only registered failure classes) or ``FAIL(k)`` (k unregistered).
+4. ``fuzz`` (with ``--fuzz N``): ``python -m cbverify fuzz --engine transformers-cb --entry E --examples N --json``
+   for each entry point (the manager's request API, ``generate_batch``): one row each, ``pass`` (nothing found),
+   ``xfail(k)`` (only registered failure classes) or ``FAIL(k)`` (k unregistered).
 
 A step that crashes or times out is an ``ERROR`` row with its last line, never a missing one.
 """
@@ -108,16 +109,24 @@ def verify_rows(python: str, args, out: Path, log) -> list[dict]:
 
 
 def fuzz_rows(python: str, args, out: Path, log) -> list[dict]:
-    cmd = [python, "-m", "cbverify", "fuzz", "--engine", "transformers-cb", "--examples", str(args.fuzz)]
-    payload = _json_step("fuzz", [*cmd, "--model", args.model], out, log, args.timeout)
-    check = f"fuzz ({args.fuzz} examples)"
-    if "error" in payload:
-        return [_row(check, "transformers-cb", "ERROR", False)]
-    unregistered = [c for c in payload["classes"] if c["finding"] is None]
-    if unregistered:
-        return [_row(check, "transformers-cb", f"FAIL({len(unregistered)} unregistered)", False)]
-    registered = len(payload["classes"])
-    return [_row(check, "transformers-cb", f"XFAIL({registered} registered)" if registered else "PASS", True)]
+    """One row per entry point the fuzzer drives (the manager's request API, ``model.generate_batch`` as TRL calls
+    it): pass, xfail(k registered classes) or FAIL(k unregistered)."""
+    rows = []
+    for entry in ("manager", "generate_batch"):
+        cmd = [python, "-m", "cbverify", "fuzz", "--engine", "transformers-cb", "--entry", entry, "--examples",
+               str(args.fuzz), "--model", args.model]  # fmt: skip
+        path = out if entry == "manager" else out.with_name(out.name.replace(".fuzz.json", f".fuzz-{entry}.json"))
+        payload = _json_step(f"fuzz {entry}", cmd, path, log, args.timeout)
+        check = f"fuzz {entry} ({args.fuzz} examples)"
+        if "error" in payload:
+            rows.append(_row(check, "transformers-cb", "ERROR", False))
+            continue
+        unregistered = [c for c in payload["classes"] if c["finding"] is None]
+        registered = len(payload["classes"])
+        label = f"FAIL({len(unregistered)} unregistered)" if unregistered else (
+            f"XFAIL({registered} registered)" if registered else "PASS")  # fmt: skip
+        rows.append(_row(check, "transformers-cb", label, not unregistered))
+    return rows
 
 
 def install_failed(error: str) -> dict:
