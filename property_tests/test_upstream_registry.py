@@ -151,7 +151,7 @@ def test_the_float32_group_mean_model_accepts_trls_rounding_and_nothing_else(val
     a rounding unit, or made unequal within a group."""
     import math
 
-    from cbverify.upstream.findings import _float32_mean_rounding
+    from cbverify.upstream.predictions import float32_mean_rounding
 
     scenario = TrainerScenario(num_generations=n, scale_rewards=scale)
     rewards = torch.full((n * groups,), value, dtype=torch.float32)
@@ -163,12 +163,12 @@ def test_the_float32_group_mean_model_accepts_trls_rounding_and_nothing_else(val
 
     if bool((got == 0).any()):  # the mean rounded exactly for some group: nothing for the finding to explain there
         return
-    assert _float32_mean_rounding(scenario, seen(got)) is None
+    assert float32_mean_rounding(scenario, seen(got)) is None
     unit = 2.0 ** (math.frexp(abs(value))[1] - 25) / (1.0 if scale == "none" else 1e-4)
-    assert _float32_mean_rounding(scenario, seen(got + off * unit)) is not None
+    assert float32_mean_rounding(scenario, seen(got + off * unit)) is not None
     unequal = got.clone()
     unequal[0] += unit
-    assert _float32_mean_rounding(scenario, seen(unequal)) is not None
+    assert float32_mean_rounding(scenario, seen(unequal)) is not None
 
 
 @given(
@@ -179,7 +179,7 @@ def test_the_unscorable_model_accepts_nansum_advantages_and_refuses_the_referenc
     """TRL before 1.6 scores a None reward as 0 inside its group's statistics: the model accepts exactly that (TRL's
     float32 formula on the rewards with 0 in place of NaN) and refuses the correct advantages (NaN row left out,
     its advantage 0) wherever the two differ."""
-    from cbverify.upstream.findings import _unscorable_as_zero
+    from cbverify.upstream.predictions import unscorable_as_zero
     from reference.advantages import compute_advantages
 
     scenario = TrainerScenario(num_generations=3, reward="unscorable")
@@ -187,14 +187,12 @@ def test_the_unscorable_model_accepts_nansum_advantages_and_refuses_the_referenc
     with_nan[missing] = float("nan")
     buggy = _trl_float32_advantages(with_nan.nan_to_num(0.0), 3, "group").double()
     assert (
-        _unscorable_as_zero(scenario, {"rewards": tuple(with_nan.tolist()), "advantages": tuple(buggy.tolist())})
+        unscorable_as_zero(scenario, {"rewards": tuple(with_nan.tolist()), "advantages": tuple(buggy.tolist())})
         is None
     )
     right = compute_advantages(with_nan, 3, "group")
     if not torch.allclose(right, buggy, rtol=1e-3, atol=1e-3):
-        assert _unscorable_as_zero(
-            scenario, {"rewards": tuple(with_nan.tolist()), "advantages": tuple(right.tolist())}
-        )
+        assert unscorable_as_zero(scenario, {"rewards": tuple(with_nan.tolist()), "advantages": tuple(right.tolist())})
 
 
 def _launch_with(rows_per_rank: list[list[tuple[int, ...]]], prompt: tuple[int, ...]):

@@ -78,7 +78,7 @@ def _not_reached(scenario: TrainerScenario, *names: str) -> list[CheckResult]:
 
 def judge(result: CheckResult, scenario: TrainerScenario, model_type: str) -> tuple[bool, str]:
     """``(ok, label)``: label is PASS / NOT-APPLICABLE / XFAIL(<finding>) / FAIL / FIXED?(<finding>). A FAIL is
-    XFAIL only when a covering finding predicts it (:class:`~cbverify.upstream.findings.Prediction`); a FAIL that a
+    XFAIL only when a covering finding predicts it (:class:`~cbverify.upstream.predictions.Prediction`); a FAIL that a
     finding covers but does not predict is ``FAIL(not <finding>: <how it differs>)``, a failure of the run.
 
     ``model_type`` is the model's ``config.model_type`` (some findings affect one architecture only)."""
