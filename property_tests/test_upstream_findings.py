@@ -174,3 +174,33 @@ def test_a_second_fault_in_the_loss_under_the_dapo_findings_configuration_is_rep
         for check in finding.checks:
             ok, label = judge(results[check], finding.repro, "llama")
             assert label.startswith(expected) and ok == (prepare is None), (check, label, results[check].reason)
+
+
+def test_the_logged_reward_check_fails_on_unweighted_statistics_and_its_finding_predicts_only_those(llama):
+    """The logged-reward check PASSes on the installed trainer; the logged reward and reward_std replaced by the
+    unweighted sums' statistics (what trl before 1.0 logs) FAIL it and match the finding's model, and any other
+    wrong value FAILs it outside the model."""
+    from dataclasses import replace
+
+    finding = by_id("logged-reward-ignores-reward-weights")
+    record = record_run(finding.repro, *llama)
+    check = finding.checks[0]
+
+    def result(logs: dict):
+        steps = [replace(record.steps[0], logs={**record.steps[0].logs, **logs}), *record.steps[1:]]
+        (out,) = [r for r in check_steps(finding.repro, replace(record, steps=steps), llama.model) if r.check == check]
+        return out
+
+    clean = result({})
+    assert clean.status == "PASS", clean.reason
+    unweighted = result(dict(zip(("reward", "reward_std"), _unweighted_stats(finding, record), strict=True)))
+    assert unweighted.status == FAIL and finding.predicts[check].mismatch(unweighted, finding.repro) is None
+    off = result({"reward": record.steps[0].logs["reward"] * 1.01})
+    assert off.status == FAIL and finding.predicts[check].mismatch(off, finding.repro), off.reason
+
+
+def _unweighted_stats(finding, record) -> tuple[float, float]:
+    """Mean and std of each row's plain sum of the functions' rewards: an independent recomputation from TRL's own
+    recorded per-function rewards (not from the reference's)."""
+    totals = record.generations[0].rewards_per_func.double().sum(dim=1)
+    return float(totals.mean()), float(totals.std())

@@ -28,6 +28,7 @@ from cbverify.upstream.predictions import (
     dapo_losses,
     float32_mean_rounding,
     unscorable_as_zero,
+    unweighted_logged_reward,
 )
 from cbverify.upstream.scenario import TrainerScenario
 
@@ -358,6 +359,45 @@ FINDINGS: tuple[Finding, ...] = (
         repro_model="tiny-llama-arith",
         script="unscorable_completion_scored_as_zero.py",
         predicts={"advantages_match_reference": Prediction(r"advantages .* != reference", unscorable_as_zero)},
+    ),
+    Finding(
+        id="logged-reward-ignores-reward-weights",
+        checks=("logged_rewards_match_reference",),
+        path="*",
+        when="reward_weights other than all 1 (the step checks of cbverify.upstream.steps)",
+        applies=lambda s: s.reward_weights is not None and any(w != 1.0 for w in s.reward_weights),
+        affected="transformers 5.24.0 + trl 0.29.1 (the TRL matrix); trl 1.0.0 applies the weights to the logged "
+        "statistics ('apply reward_weights to logged reward/reward_std')",
+        evidence="GRPOTrainer logs reward and reward_std from rewards_per_func.nansum(dim=1), the unweighted sum of "
+        "the functions, while its advantages use the weighted sum: the logged reward is not the reward trained on. "
+        "The trained Llama with length and digit rewards weighted (2, -0.5): the logged reward and reward_std "
+        "equal the unweighted sums' statistics",
+        repro=TrainerScenario(
+            path="rollout_func",
+            rollout_backend="reference",
+            num_generations=2,
+            max_steps=1,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            steps_per_generation=2,
+            loss_type="grpo",
+            reward="length",
+            more_rewards=("digits",),
+            reward_weights=(2.0, -0.5),
+            max_terms=2,
+            max_completion_length=16,
+            temperature=1.0,
+            seed=0,
+            max_grad_norm=0.0,
+        ),
+        repro_model="tiny-llama-arith",
+        trl="<1.0",
+        step_checks=True,
+        predicts={
+            "logged_rewards_match_reference": Prediction(
+                r"logged reward(_std)? = \S+, reference", unweighted_logged_reward
+            ),
+        },
     ),
     Finding(
         id="dapo-normaliser-is-not-the-accumulated-batch",

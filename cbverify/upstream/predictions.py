@@ -169,3 +169,17 @@ def dapo_gradient(scenario, seen: dict) -> str | None:
             f"{max(predicted):.6g} the release's normaliser gives"
         )
     return None
+
+
+def unweighted_logged_reward(scenario, seen: dict) -> str | None:
+    """A release that logs the reward statistics of the plain sum of the functions (every weight 1): the logged
+    ``reward`` and ``reward_std`` are those of the unweighted sums, within the logged-metric tier."""
+    from cbverify.tolerances import TRAINER_METRIC
+
+    logged, plain = seen.get("logged", ()), seen.get("unweighted", ())
+    if len(logged) != 2 or len(plain) != 2:
+        return "no logged and unweighted reward statistics observed"
+    pairs = zip(("reward", "reward_std"), logged, plain, strict=True)
+    far = [f"{n} {a:.8g} vs unweighted {b:.8g}" for n, a, b in pairs
+           if abs(a - b) > TRAINER_METRIC.atol + TRAINER_METRIC.rtol * abs(b)]  # fmt: skip
+    return f"logged {'; '.join(far)}" if far else None

@@ -28,11 +28,12 @@ from cbverify.upstream.step_reference import (
     step_windows,
     window_rows,
 )
+from reference.advantages import combine_rewards
 
 CHECKS = (
     "step_run_completes", "rewards_match_reference", "advantages_match_reference",
     "zero_variance_groups_get_zero_advantage", "micro_batches_partition_generation", "micro_losses_match_reference",
-    "step_gradients_match_reference", "logged_metrics_match_reference",
+    "step_gradients_match_reference", "logged_metrics_match_reference", "logged_rewards_match_reference",
 )  # fmt: skip
 
 
@@ -111,10 +112,52 @@ def check_steps(scenario: TrainerScenario, record: Record, model) -> list[CheckR
     results.extend(_check_advantages(scenario, record, model))
     assigned = assignments(record)
     if isinstance(assigned, str):
-        return results + [_result(c, scenario, FAIL, assigned) for c in CHECKS[len(results) :]]
+        results += [_result(c, scenario, FAIL, assigned) for c in CHECKS[len(results) : -1]]
+        return [*results, _check_logged_rewards(scenario, record)]
     results.append(check_partition(scenario, record, assigned))
     results.extend(_check_windows(scenario, record, model, assigned))
+    results.append(_check_logged_rewards(scenario, record))
     return results
+
+
+def _check_logged_rewards(scenario: TrainerScenario, record: Record) -> CheckResult:
+    """GRPO logs, at the optimizer step that generated a batch, ``reward``: the mean over the batch of each row's
+    weighted reward, and ``reward_std``: their (Bessel) standard deviation, averaged over the batches generated within
+    the step. Judged where every row was scored by some function (how an unscored row counts is another question)."""
+    check = "logged_rewards_match_reference"
+    if scenario.trainer != "grpo":
+        return _result(check, scenario, NA, f"{scenario.trainer} logs its own reward statistics")
+    windows, logged, judged, unscored = step_windows(scenario, record), set(), 0, 0
+    for k, (step, window) in enumerate(zip(record.steps, windows, strict=True)):
+        new = sorted({call.generation for call in window} - logged)
+        logged.update(new)
+        if not new or "reward" not in step.logs:
+            continue
+        rewards = [reference_rewards(scenario, record.generations[g]) for g in new]
+        weights = list(scenario.reward_weights) if scenario.reward_weights else None
+        totals = [combine_rewards(r, weights) for r in rewards]
+        if any(bool(t.isnan().any()) for t in totals):
+            unscored += 1
+            continue
+        judged += 1
+        weighted, plain = _batch_stats(totals), _batch_stats([combine_rewards(r) for r in rewards])
+        for name, value in zip(("reward", "reward_std"), weighted, strict=True):
+            got = step.logs.get(name)
+            if got is None or not _close(got, value, TRAINER_METRIC):
+                logs = (step.logs.get("reward", math.nan), step.logs.get("reward_std", math.nan))
+                # every weight 1: what a release that ignores the weights logs
+                observed = (("logged", logs), ("unweighted", plain), ("weighted", weighted))
+                return _result(check, scenario, FAIL, f"step {k}: logged {name} = {got}, reference {value:.8g} "
+                               f"(weights {scenario.reward_weights})", observed)  # fmt: skip
+    if not judged:
+        why = f"{unscored} logged batches held a row no reward function scored" if unscored else "no reward logged"
+        return _result(check, scenario, NA, why)
+    return _result(check, scenario, PASS, f"{judged} logged reward means and stds")
+
+
+def _batch_stats(totals: list[torch.Tensor]) -> tuple[float, float]:
+    """The mean over generation batches of each batch's mean and (Bessel) standard deviation of its rows' rewards."""
+    return (sum(float(t.mean()) for t in totals) / len(totals), sum(float(t.std()) for t in totals) / len(totals))
 
 
 def _check_rewards(scenario: TrainerScenario, record: Record) -> CheckResult:
