@@ -7,18 +7,29 @@ from pathlib import Path
 
 import torch
 
-MODELS_DIR = Path(__file__).resolve().parent.parent / "golden" / "models"
+
+def _models_dir() -> Path:
+    """The bundled checkpoints: ``reference/_models`` in an installed package (the build copies them there), else
+    ``golden/models`` in the checkout this package runs from."""
+    from importlib.resources import files
+
+    installed = Path(str(files("reference") / "_models"))
+    return installed if installed.is_dir() else Path(__file__).resolve().parent.parent / "golden" / "models"
+
+
+MODELS_DIR = _models_dir()
 BUNDLED = ("tiny-llama-arith", "tiny-qwen2-random", "tiny-qwen3-chat")
 DEFAULT_MODEL = "tiny-llama-arith"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve(name_or_path: str | Path) -> Path:
-    """A bundled name -> its folder under ``golden/models``; otherwise a local directory holding ``config.json``."""
+    """A bundled name -> its folder under :data:`MODELS_DIR`; otherwise a local directory holding ``config.json``."""
     if str(name_or_path) in BUNDLED:
         path = MODELS_DIR / str(name_or_path)
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"bundled model {name_or_path!r} is missing at {path}; run `make models`")
+            where = f"bundled model {name_or_path!r} is missing at {path}"
+            raise FileNotFoundError(f"{where}: reinstall cbverify, or in a checkout run `make models`")
         return path
     path = Path(name_or_path).expanduser()
     if not path.is_dir():

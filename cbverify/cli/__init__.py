@@ -26,7 +26,10 @@ SUBCOMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from cbverify import __version__
+
     parser = argparse.ArgumentParser(prog="cbverify", description="Can I trust my continuous-batching rollouts?")
+    parser.add_argument("--version", action="version", version=f"cbverify {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in SUBCOMMANDS.items():
         importlib.import_module(module).configure(sub.add_parser(name, help=help_text, description=help_text))
