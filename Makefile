@@ -17,9 +17,15 @@ CAPABILITIES ?= default avx2
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): pyproject.toml constraints.txt | $(BIN)/python
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+# uv (pinned in constraints.txt) installs in seconds; where it cannot be had, pip does the same install. uv reads no
+# pip.conf, so a local wheel folder in PIP_FIND_LINKS (a CPU torch build, say) is passed on to it.
+$(STAMP): pyproject.toml setup.py constraints.txt | $(BIN)/python
+	($(BIN)/python -m pip install --quiet -c constraints.txt uv \
+		&& $(BIN)/uv pip install --quiet --python $(BIN)/python -c constraints.txt \
+			$${PIP_FIND_LINKS:+--find-links $$PIP_FIND_LINKS} -e '.[dev]') \
+	|| (echo "uv unavailable or failed: installing with pip" \
+		&& $(BIN)/python -m pip install --quiet --upgrade pip \
+		&& $(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]')
 	touch $(STAMP)
 
 verify: $(STAMP)  ## the main job: every engine against the oracle on the bundled model
