@@ -9,6 +9,8 @@ repository on ``PYTHONPATH``), they are read where the repository keeps them. Th
 
 from __future__ import annotations
 
+import hashlib
+import os
 from importlib.resources import files
 from pathlib import Path
 
@@ -51,6 +53,38 @@ def needs_checkout(what: str) -> Path:
 
 
 def site_root() -> Path:
-    """The directory holding the import packages this process runs (a checkout or site-packages): what a child
-    process needs on ``PYTHONPATH`` to import the same code."""
+    """The directory holding the import packages this process runs: a checkout, or the site-packages they are
+    installed in."""
     return Path(__file__).resolve().parents[1]
+
+
+def import_path() -> Path:
+    """A folder holding cbverify's import packages and nothing else: what a process of another venv (an engine's
+    environment, a matrix combination) puts on its path to run this same code without this venv's other packages.
+    The checkout itself, or for an installed cbverify a folder of links to its packages in the user cache."""
+    root = checkout()
+    if root is not None:
+        return root
+    site = site_root()
+    linked = workdir("packages") / hashlib.sha256(str(site).encode()).hexdigest()[:12]
+    linked.mkdir(parents=True, exist_ok=True)
+    for package in PACKAGES:
+        link = linked / package
+        if not (link.is_symlink() and link.resolve() == (site / package).resolve()):
+            link.unlink(missing_ok=True)
+            link.symlink_to(site / package, target_is_directory=True)
+    return linked
+
+
+def workdir(name: str) -> Path:
+    """Where cbverify keeps the environments and results it builds (``name``: ``matrix-venvs``, ``engine-envs``): the
+    checkout's ``.<name>/`` (gitignored) when run from one, else a user cache folder, ``$CBVERIFY_CACHE/<name>``
+    (default ``$XDG_CACHE_HOME/cbverify`` or ``~/.cache/cbverify``), never inside site-packages."""
+    root = checkout()
+    if root is not None:
+        return root / f".{name}"
+    cache = (
+        os.environ.get("CBVERIFY_CACHE")
+        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cbverify"
+    )
+    return Path(cache) / name

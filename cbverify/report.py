@@ -171,8 +171,10 @@ def environment(device: str, dtype: str, model_name: str, tier: Tier) -> dict[st
     import transformers
     import trl
 
+    import cbverify
+
     return {
-        "model": model_name, "device": device, "dtype": dtype, "tier": tier.name,
+        "cbverify": cbverify.__version__, "model": model_name, "device": device, "dtype": dtype, "tier": tier.name,
         "torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
         "python": platform.python_version(),
         # the kernels torch dispatches to (ATEN_CPU_CAPABILITY chooses others): a verdict must not depend on them

@@ -52,6 +52,12 @@ def test_the_rng_engines_reproduce_every_greedy_cpu_golden(case):
     assert result.ok, result.report()
 
 
+def test_an_engine_whose_environment_is_not_built_is_a_note_not_a_crash(monkeypatch, tmp_path):
+    monkeypatch.setenv("CBVERIFY_ENGINE_ENVS", str(tmp_path))  # no engine environment is built there
+    result = check_case(FP32_CASES[0], "cpu", engines=["vllm"], trajectory=False)
+    assert result.ok and any("environment 'vllm' not built" in note for note in result.notes), result.report()
+
+
 def test_the_grpo_trajectory_golden_is_reproduced():
     (case,) = [c for c in CPU_CASES if c.trajectory_steps]
     result = check_case(case, "cpu", engines=[])

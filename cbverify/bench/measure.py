@@ -34,8 +34,11 @@ def environment(device: str) -> dict:
     import transformers
     import trl
 
+    import cbverify
+
     env = {
-        "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+        "cbverify": cbverify.__version__, "python": platform.python_version(), "torch": torch.__version__,
+        "transformers": transformers.__version__,
         "trl": trl.__version__, "platform": platform.platform(), "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "ram_gb": round(psutil.virtual_memory().total / 2**30, 1), "device": device,

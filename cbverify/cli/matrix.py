@@ -12,7 +12,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from cbverify.upstream.matrix import REPO, combo_name, ensure_base, ensure_venv, minor_releases
+from cbverify.data import workdir
+from cbverify.upstream.matrix import combo_name, ensure_base, ensure_venv, minor_releases
 from cbverify.upstream.matrix_checks import install_failed, render_markdown, render_text, run_combo, table
 
 
@@ -28,10 +29,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--all-trl-minors", metavar="FROM", default=None,
         help="also every trl minor release from FROM (e.g. 1.0), the newest patch of each, as the package index lists",
     )  # fmt: skip
-    parser.add_argument("--venv-dir", type=Path, default=REPO / ".matrix-venvs", help="where the cached venvs live")
     parser.add_argument(
-        "--out", type=Path, default=REPO / ".matrix-venvs" / "results", help="folder for JSON/Markdown/log output"
+        "--venv-dir",
+        type=Path,
+        default=workdir("matrix-venvs"),
+        help="where the cached venvs live (default: %(default)s)",
     )
+    parser.add_argument("--out", type=Path, default=workdir("matrix-venvs") / "results",
+                        help="folder for JSON/Markdown/log output (default: %(default)s)")  # fmt: skip
     parser.add_argument("--model", default="tiny-llama-arith", help="bundled model name or local checkpoint path")
     parser.add_argument(
         "--random-model", action="store_true", help="--model's architecture with seeded random weights"

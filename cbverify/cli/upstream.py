@@ -166,6 +166,7 @@ def _tally_from_json(data: dict, cls):
 
 def run_in_vllm_environment(args: argparse.Namespace) -> int:
     """This command again, with the ``vllm`` environment's python (its exit code), or NOT-APPLICABLE (0)."""
+    from cbverify import data
     from cbverify.engines import envs
 
     if (why := envs.problem("vllm")) is not None:
@@ -177,7 +178,12 @@ def run_in_vllm_environment(args: argparse.Namespace) -> int:
     command += ["--random-model"] * args.random_model + ["--quiet"] * args.quiet
     command += ["--json", str(args.json.resolve())] if args.json else []
     print(f"running in the vllm environment: {' '.join(command)}", file=sys.stderr, flush=True)
-    env = {**os.environ, "PYTHONPATH": str(envs.REPO), "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(data.import_path()),
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }
     return subprocess.run(command, env=env).returncode
 
 

@@ -190,8 +190,10 @@ def pytest_sessionfinish(session) -> None:
 def _versions(config) -> str:
     from importlib.metadata import PackageNotFoundError, version
 
-    parts = [f"python {platform.python_version()}"]
-    for package in ("torch", "transformers", "cbverify"):
+    import cbverify
+
+    parts = [f"cbverify {cbverify.__version__}", f"python {platform.python_version()}"]
+    for package in ("torch", "transformers"):
         try:
             parts.append(f"{package} {version(package)}")
         except PackageNotFoundError:

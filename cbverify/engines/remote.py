@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from cbverify import data
 from cbverify.engines import Capabilities, EngineError, NotApplicable, RunStats, check_unique_ids, envs
 from cbverify.engines.worker import request_to_json, rollout_from_json
 from reference.spec import Rollout, RolloutRequest
@@ -56,8 +57,8 @@ class RemoteEngine:
             model.save_pretrained(self._tmp.name)
             checkpoint = self._tmp.name
         self.log_path = Path(tempfile.mkstemp(prefix=f"cbverify-{engine}-", suffix=".log")[1])
-        child_env = {**os.environ, "PYTHONPATH": str(envs.REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                     "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # fmt: skip
+        child_env = {**os.environ, "PYTHONPATH": str(data.import_path()), "HF_HUB_OFFLINE": "1",
+                     "TRANSFORMERS_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # fmt: skip
         with open(self.log_path, "w") as log:
             self._proc = subprocess.Popen([python, "-m", "cbverify.engines.worker"], stdin=subprocess.PIPE,
                                           stdout=subprocess.PIPE, stderr=log, text=True, env=child_env,

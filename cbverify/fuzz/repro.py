@@ -24,7 +24,10 @@ def versions() -> dict:
     import transformers
     import trl
 
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
+    import cbverify
+
+    return {"cbverify": cbverify.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "trl": trl.__version__,
             "python": platform.python_version()}  # fmt: skip
 
 

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import torch
 
+from cbverify import data
 from reference import tasks
 from reference.models import DTYPES
 from reference.spec import RolloutRequest, SamplingParams
 
-RECORDS_DIR = Path(__file__).resolve().parents[2] / "golden" / "records"
+RECORDS_DIR = data.path("records")  # golden/records in a checkout, the installed copy otherwise
 
 SAMPLINGS: dict[str, SamplingParams] = {
     # greedy: no processors; tokens are argmax, log-probs plain log_softmax.

@@ -214,7 +214,11 @@ def check_case(
     with torch.no_grad():
         result.failures += check_teacher_forced(model, case, data)
     for name in engines if engines is not None else available_engines():
-        engine = get_engine(name, model)  # an adapter that cannot be built is an error, not a note
+        try:  # an adapter that cannot be built is an error; one that does not apply here (no vllm venv) a note
+            engine = get_engine(name, model)
+        except NotApplicable as err:
+            result.notes.append(str(err))
+            continue
         caps = engine.capabilities
         if not (caps.spec_sampling or case.sampling_params.greedy):
             result.notes.append(f"{name}: not checked on a sampled case (own RNG; see the distribution tests)")

@@ -23,7 +23,9 @@ from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+import cbverify
+from cbverify import data
+
 VOLATILE_KEYS = frozenset({"timestamp", "hostname"})
 _PACKAGES = ("torch", "transformers", "trl", "accelerate", "tokenizers", "safetensors", "numpy")
 
@@ -56,14 +58,18 @@ def _cpu_model() -> str:
 
 
 def _git(*args: str) -> str:
-    out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=False)
+    """``git`` in the checkout cbverify runs from (never in whatever repository an installed package sits in)."""
+    root = data.checkout()
+    if root is None:
+        raise RuntimeError("cbverify is installed, not run from a checkout: no git commit to report")
+    out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=False)
     if out.returncode != 0:
-        raise RuntimeError(f"`git {' '.join(args)}` failed in {REPO_ROOT}: {out.stderr.strip()}")
+        raise RuntimeError(f"`git {' '.join(args)}` failed in {root}: {out.stderr.strip()}")
     return out.stdout
 
 
 def git_commit() -> str:
-    """The checked-out commit (40 hex digits), or ``"unknown"`` outside a git checkout."""
+    """The checked-out commit (40 hex digits), or ``"unknown"`` for an installed cbverify or outside git."""
     try:
         return _git("rev-parse", "HEAD").strip()
     except (RuntimeError, FileNotFoundError):
@@ -103,6 +109,7 @@ def capture(device: str | torch.device = "cpu") -> dict[str, str | int | bool]:
         env["cuda"] = str(torch.version.cuda)
         env["cudnn"] = str(torch.backends.cudnn.version())
         env["tf32_matmul"] = bool(torch.backends.cuda.matmul.allow_tf32)
+    env["cbverify"] = cbverify.__version__
     env["git_commit"] = git_commit()
     env["timestamp"] = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
     env["hostname"] = socket.gethostname()

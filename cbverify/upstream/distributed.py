@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from cbverify import data
 from cbverify.upstream.capture import Capture
 from cbverify.upstream.findings import NA, CheckResult
 from cbverify.upstream.rank_checks import RANK_CHECKS, check_ranks, exercised
@@ -173,7 +174,7 @@ def launch(scenario: TrainerScenario, model: str, *, random_model: bool = False,
         command += ["-m", module, "--scenario", scenario_to_json(scenario), "--model", model, "--out", out]
         command += ["--random-model"] * random_model
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               "TRL_EXPERIMENTAL_SILENCE": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}  # fmt: skip
+               "TRL_EXPERIMENTAL_SILENCE": "1", "PYTHONPATH": str(data.import_path())}  # fmt: skip
         log_path = Path(out) / "launch.log"
         with open(log_path, "w") as log:
             proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

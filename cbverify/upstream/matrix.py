@@ -1,16 +1,18 @@
 """``cbverify matrix``: cached venvs, one per transformers (x trl) combination, and the list of releases to cover.
 
-Every combination's venv under ``.matrix-venvs/`` (gitignored) gets the requested ``transformers`` / ``trl`` (a
-version, or a local checkout path for a branch under review), the project's other dependencies at their
-``constraints.txt`` versions, and this repository in editable mode with ``--no-deps``. ``torch==2.13.0`` is installed
-once, in ``.matrix-venvs/_torch`` (from the local wheel cache), and shared by every venv through a ``.pth`` file:
-~50 s and 900 MB saved per version. Then :data:`PROBE` imports what cbverify drives from TRL: a release that imports
-a module it does not declare (trl 1.0 to 1.13 import ``requests`` at import time, which nothing in the pinned stack
-installs any more) gets that module installed under the constraints, one at a time, at most :data:`MAX_ADDED`, each
-printed and logged. A stamp file records what was asked for and what was added, so a rerun reuses the venv.
-:func:`minor_releases` lists the newest patch of every minor release of a package from a floor (``--all-minors 5.8``
-for transformers, ``--all-trl-minors 1.0``), read from the package index. What runs inside each venv is
-:mod:`cbverify.upstream.matrix_checks`.
+Every combination's venv (under the checkout's ``.matrix-venvs/``, or the user cache of an installed cbverify:
+:func:`cbverify.data.workdir`) gets the requested ``transformers`` / ``trl`` (a version, or a local checkout path for
+a branch under review), the project's other dependencies at their ``constraints.txt`` versions, and this cbverify
+without its dependencies: the checkout in editable mode, or the installed packages linked in through a ``.pth`` file.
+Installs go through :mod:`cbverify.install`: with uv, every venv gets ``torch==2.13.0`` hard-linked from uv's cache;
+with pip, torch is installed once, in ``_torch`` beside the venvs (from the local wheel cache), and shared by every
+venv through a ``.pth`` file (~50 s and 900 MB saved per version). Then :data:`PROBE` imports what cbverify drives
+from TRL: a release that imports a module it does not declare (trl 1.0 to 1.13 import ``requests`` at import time,
+which nothing in the pinned stack installs any more) gets that module installed under the constraints, one at a
+time, at most :data:`MAX_ADDED`, each printed and logged. A stamp file records what was asked for and what was
+added, so a rerun reuses the venv. :func:`minor_releases` lists the newest patch of every minor release of a package
+from a floor (``--all-minors 5.8`` for transformers, ``--all-trl-minors 1.0``), read from the package index. What
+runs inside each venv is :mod:`cbverify.upstream.matrix_checks`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from cbverify import data, install
+
+REPO = data.checkout()  # None for an installed cbverify
 TORCH_PIN = "torch==2.13.0"
 PROBE = "from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer"
 MAX_ADDED = 3  # modules a release may import without declaring them before its venv is an install error
@@ -44,24 +48,40 @@ def combo_name(transformers: str, trl: str | None) -> str:
 
 
 def _pip(python: Path, *args: str, log) -> tuple[bool, str]:
-    proc = subprocess.run([str(python), "-m", "pip", "install", "--quiet", *args], capture_output=True, text=True)
-    log.write(f"$ pip install {' '.join(args)}\n{proc.stdout}{proc.stderr}\n")
+    """``pip install args`` into ``python``'s venv with the chosen installer (:mod:`cbverify.install`), logged."""
+    proc = install.run(python, "install", *args)
+    log.write(f"$ {install.installer()} pip install {' '.join(args)}\n{proc.stdout}{proc.stderr}\n")
     lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
     return proc.returncode == 0, (lines[-1] if lines else "")
 
 
-def ensure_base(venv_dir: Path, log) -> Path | str:
-    """The shared torch venv's ``site-packages`` (built once), or pip's error."""
+def _site_packages(venv: Path) -> Path:
+    return venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+
+
+def ensure_base(venv_dir: Path, log) -> Path | str | None:
+    """With pip: the shared torch venv's ``site-packages`` (built once), or pip's error. With uv, ``None``: each venv
+    installs torch itself, from uv's cache."""
+    if install.installer() == "uv":
+        return None
     base = venv_dir / "_torch"
-    site = base / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
     stamp = base / ".cbverify-stamp"
     if not (stamp.is_file() and stamp.read_text() == TORCH_PIN):
-        subprocess.run([sys.executable, "-m", "venv", "--clear", str(base)], check=True)
-        ok, last = _pip(base / "bin" / "python", TORCH_PIN, log=log)
+        ok, last = _pip(install.create_venv(base), TORCH_PIN, log=log)
         if not ok:
             return f"pip install {TORCH_PIN}: {last}"
         stamp.write_text(TORCH_PIN)
-    return site
+    return _site_packages(base)
+
+
+def _add_cbverify(python: Path, site: Path, log) -> tuple[bool, str]:
+    """This cbverify into the venv without its dependencies: the checkout in editable mode, or (installed) its import
+    packages linked into a folder that a ``.pth`` file puts on the venv's path."""
+    if REPO is not None:
+        return _pip(python, "--no-deps", "-e", str(REPO), log=log)
+    (site / "cbverify-packages.pth").write_text(f"{data.import_path()}\n")
+    log.write(f"cbverify's packages from {data.import_path()} (a .pth file)\n")
+    return True, ""
 
 
 def ensure_venv(venv: Path, transformers: str, trl: str | None, log) -> str | None:
@@ -74,22 +94,22 @@ def ensure_venv(venv: Path, transformers: str, trl: str | None, log) -> str | No
     base = ensure_base(venv.parent, log)
     if isinstance(base, str):
         return base
-    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
-    site = venv / "lib" / base.parent.name / "site-packages"
-    (site / "cbverify-shared-torch.pth").write_text(f"{base}\n")  # appended after the venv's own site-packages
+    install.create_venv(venv)
+    site = _site_packages(venv)
+    if base is not None:
+        (site / "cbverify-shared-torch.pth").write_text(f"{base}\n")  # appended after the venv's own site-packages
     trl_req = _spec("trl", trl) or _pinned_trl()
     constraints = venv / "constraints-except-varied.txt"
     pinned = [ln for ln in _pinned_others() if ln.split("==")[0].lower() in _project_deps()]
     constraints.write_text("".join(ln + "\n" for ln in pinned))
     others = [ln.split("==")[0] for ln in pinned]
-    steps = [
-        ("-c", str(constraints), TORCH_PIN, _spec("transformers", transformers), trl_req, *others),
-        ("--no-deps", "-e", str(REPO)),
-    ]
-    for args in steps:
-        ok, last = _pip(python, *args, log=log)
-        if not ok:
-            return f"pip install {' '.join(args)}: {last}"
+    args = ("-c", str(constraints), TORCH_PIN, _spec("transformers", transformers), trl_req, *others)
+    ok, last = _pip(python, *args, log=log)
+    if not ok:
+        return f"pip install {' '.join(args)}: {last}"
+    ok, last = _add_cbverify(python, site, log)
+    if not ok:
+        return f"cbverify itself: {last}"
     added: list[str] = []
     while (failure := _probe(python, log)) is not None:
         module, last = failure
@@ -150,18 +170,24 @@ VARIED = {"torch", "transformers", "trl", "tokenizers"}  # tokenizers: each tran
 
 
 def _project_deps() -> set[str]:
-    """Lower-case names of this project's runtime dependencies (pyproject), the varied ones excluded."""
-    import re
-    import tomllib
+    """Lower-case names of this project's runtime dependencies (its installed metadata, else the checkout's
+    pyproject), the varied ones and the extras' excluded."""
+    from importlib import metadata
 
-    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
-    return {re.split(r"[<>=!~\[ ;]", d, maxsplit=1)[0].lower() for d in deps} - VARIED
+    try:
+        deps = [d for d in metadata.requires("cbverify") or [] if "extra ==" not in d]
+    except metadata.PackageNotFoundError:  # a checkout on PYTHONPATH, never installed
+        import tomllib
+
+        deps = tomllib.loads((data.needs_checkout("reading pyproject.toml") / "pyproject.toml").read_text())[
+            "project"]["dependencies"]  # fmt: skip
+    return {re.split(r"[<>=!~\[ ;(]", d, maxsplit=1)[0].strip().lower() for d in deps} - VARIED
 
 
 def _pinned_others() -> list[str]:
     """``constraints.txt`` without the varied packages; only our direct dependencies get pinned (their own
     dependencies, e.g. huggingface_hub, are left to pip so that an older transformers can resolve)."""
-    lines = (REPO / "constraints.txt").read_text().splitlines()
+    lines = data.path("constraints.txt").read_text().splitlines()
     return [ln for ln in lines if "==" in ln and ln.split("==")[0].lower() not in VARIED]
 
 

@@ -51,7 +51,7 @@ def _row(check: str, path: str, label: str, ok: bool) -> dict:
 def _run(cmd: list[str], log, timeout: int) -> tuple[int | None, str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, cwd=REPO or Path.cwd(), env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         log.write(f"$ {' '.join(cmd)}\ntimed out after {timeout} s\n")
         return None, f"timed out after {timeout} s"
@@ -81,6 +81,9 @@ def upstream_rows(python: str, args, out: Path, log) -> tuple[list[dict], dict]:
 
 
 def pytest_rows(python: str, args, out: Path, log) -> list[dict]:
+    if REPO is None:  # the tests live in the repository, not in the installed package
+        log.write("pytest step skipped: the compatibility tests need a checkout of cbverify (git clone)\n")
+        return [_row("pytest (needs a checkout of cbverify)", "pytest", "NOT-APPLICABLE", True)]
     out.unlink(missing_ok=True)
     _run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", f"--junitxml={out}",
                      *PYTEST_TARGETS], log, args.timeout)  # fmt: skip

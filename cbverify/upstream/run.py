@@ -39,8 +39,11 @@ def versions() -> dict[str, str]:
     import transformers
     import trl
 
-    out = {"torch": torch.__version__.split("+")[0], "transformers": transformers.__version__,
-           "trl": trl.__version__, "accelerate": accelerate.__version__}  # fmt: skip
+    import cbverify
+
+    out = {"cbverify": cbverify.__version__, "torch": torch.__version__.split("+")[0],
+           "transformers": transformers.__version__, "trl": trl.__version__,
+           "accelerate": accelerate.__version__}  # fmt: skip
     if importlib.util.find_spec("vllm") is not None:
         from importlib.metadata import PackageNotFoundError, version
 

@@ -19,7 +19,9 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
-MODEL = Path(__file__).resolve().parents[3] / "golden" / "models" / "tiny-llama-arith"
+_HERE = Path(__file__).resolve()  # a checkout's golden/models, or an installed cbverify's reference/_models
+_MODELS = (_HERE.parents[3] / "golden" / "models", _HERE.parents[2] / "reference" / "_models")
+MODEL = next((m for m in _MODELS if m.is_dir()), _MODELS[0]) / "tiny-llama-arith"
 
 args = GRPOConfig(
     output_dir=tempfile.mkdtemp(), report_to="none", use_cpu=True, per_device_train_batch_size=2, num_generations=2,

@@ -21,7 +21,9 @@ os.environ["VLLM_BATCH_INVARIANT"] = "1"
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
-MODEL = Path(__file__).resolve().parents[3] / "golden" / "models" / "tiny-llama-arith"
+_HERE = Path(__file__).resolve()  # a checkout's golden/models, or an installed cbverify's reference/_models
+_MODELS = (_HERE.parents[3] / "golden" / "models", _HERE.parents[2] / "reference" / "_models")
+MODEL = next((m for m in _MODELS if m.is_dir()), _MODELS[0]) / "tiny-llama-arith"
 
 llm = LLM(model=str(MODEL), dtype="float32", gpu_memory_utilization=0.1, enforce_eager=True, skip_tokenizer_init=True)
 try:

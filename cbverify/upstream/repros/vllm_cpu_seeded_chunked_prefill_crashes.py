@@ -20,7 +20,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
-MODEL = Path(__file__).resolve().parents[3] / "golden" / "models" / "tiny-llama-arith"
+_HERE = Path(__file__).resolve()  # a checkout's golden/models, or an installed cbverify's reference/_models
+_MODELS = (_HERE.parents[3] / "golden" / "models", _HERE.parents[2] / "reference" / "_models")
+MODEL = next((m for m in _MODELS if m.is_dir()), _MODELS[0]) / "tiny-llama-arith"
 
 llm = LLM(model=str(MODEL), dtype="float32", gpu_memory_utilization=0.1, enforce_eager=True, skip_tokenizer_init=True,
           max_num_batched_tokens=16, max_num_seqs=16, enable_chunked_prefill=True)  # fmt: skip

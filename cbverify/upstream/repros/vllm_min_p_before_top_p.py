@@ -33,7 +33,9 @@ from transformers.generation.logits_process import (  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
-CONFIG = Path(__file__).resolve().parents[3] / "golden" / "models" / "tiny-llama-arith"
+_HERE = Path(__file__).resolve()  # a checkout's golden/models, or an installed cbverify's reference/_models
+_MODELS = (_HERE.parents[3] / "golden" / "models", _HERE.parents[2] / "reference" / "_models")
+CONFIG = next((m for m in _MODELS if m.is_dir()), _MODELS[0]) / "tiny-llama-arith"
 T, TOP_K, TOP_P, MIN_P = 1.4, 20, 0.9, 0.05
 PROMPT = [1, 6, 5, 16, 7, 5, 3]
 
