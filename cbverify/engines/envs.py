@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import time
 from dataclasses import dataclass
@@ -114,14 +115,23 @@ def build(name: str, *, log=print) -> Path:
         raise RuntimeError(f"[{name}] the finished environment fails its probe {spec.probe!r}:\n"
                            f"{probe.stderr[-3000:]}")  # fmt: skip
     frozen = install.run(py, "freeze").stdout
-    pinned = {line.split("==")[0].lower() for line in spec.constraints.read_text().splitlines() if "==" in line}
-    unpinned = [ln for ln in frozen.splitlines() if "==" in ln and ln.split("==")[0].lower() not in pinned]
+    pinned = {_canonical(ln.split("==")[0]) for ln in spec.constraints.read_text().splitlines() if "==" in ln}
+    unpinned = [ln for ln in frozen.splitlines()
+                if "==" in ln and _canonical(ln.split("==")[0]) not in pinned | _INSTALLER_TOOLS]  # fmt: skip
     if unpinned:
         raise RuntimeError(f"[{name}] installed packages the constraints do not pin: {', '.join(unpinned)}")
     (venv / ".cbverify-stamp").write_text(_stamp(spec))
     log(f"[{name}] ready in {time.perf_counter() - start:.0f} s: {probe.stdout.strip()} "
         f"({len(frozen.splitlines())} packages, {_size_mb(venv):.0f} MB)")  # fmt: skip
     return py
+
+
+_INSTALLER_TOOLS = {"pip", "setuptools", "wheel"}  # what pip freeze leaves out and uv's lists
+
+
+def _canonical(name: str) -> str:
+    """A distribution name as PEP 503 compares them (pip writes ``typing_extensions``, uv ``typing-extensions``)."""
+    return re.sub(r"[-_.]+", "-", name.strip()).lower()
 
 
 def _size_mb(path: Path) -> float:
