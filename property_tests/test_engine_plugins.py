@@ -85,6 +85,7 @@ def phantom_deviation(model, **options):
     return _Claims(get_engine("cb_impl", model, **options), deviations=("min-p-before-top-p",))
 
 
+@pytest.mark.slow  # ~30 s: a conformance run of its own in a subprocess
 def test_the_suite_holds_weight_update_and_deviation_claims_to_being_true(tmp_path):
     """An engine that samples stale weights after an in-place update, and one whose declared deviation is not real,
     each FAIL the property that holds that claim, naming it (through ``cbverify conformance``, which exits 1)."""

@@ -52,8 +52,9 @@ def test_two_processes_keep_every_invariant_and_train_as_one_process_would(qwen2
 
 @pytest.mark.parametrize(
     ("fault", "check"),
-    [("swap", "completions_aligned"), ("unscaled", "ranks_match_one_process")],
-)
+    [("swap", "completions_aligned"),
+     pytest.param("unscaled", "ranks_match_one_process", marks=pytest.mark.slow)],  # two launches: ~25 s
+)  # fmt: skip
 def test_a_faulty_rank_is_caught_by_the_named_check(qwen2, monkeypatch, fault, check):
     """``swap``: a rollout_func answering with the next rank's rows; ``unscaled``: a loss normaliser that forgets
     that gradients are averaged over processes (the 2-process gradient is half the single process's)."""
@@ -65,6 +66,7 @@ def test_a_faulty_rank_is_caught_by_the_named_check(qwen2, monkeypatch, fault, c
     assert statuses[check] == "FAIL", statuses
 
 
+@pytest.mark.slow  # ~16 s
 def test_a_model_error_on_one_rank_stops_every_rank_and_is_reported(qwen2, monkeypatch):
     """The last rank's rollout_func raises: the launch ends well inside its timeout (no rank left waiting in a
     collective, none training on empty completions) and run_completes names the error."""
@@ -77,6 +79,7 @@ def test_a_model_error_on_one_rank_stops_every_rank_and_is_reported(qwen2, monke
     assert completes.status == "FAIL" and "injected model error" in completes.reason, completes.reason
 
 
+@pytest.mark.slow  # ~11 s
 def test_accelerate_launch_without_a_config_is_reported_as_one_process(qwen2, tmp_path, monkeypatch):
     """``accelerate launch --cpu --num_processes 2`` with no accelerate config runs one single-process job."""
     monkeypatch.setenv("HOME", str(tmp_path))  # no user accelerate config
