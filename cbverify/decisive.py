@@ -94,6 +94,14 @@ def render(tallies: Iterable[Tally], *, title: str = "decisiveness") -> str:
         counts = f"{t.judged} ({t.passed}/{t.failed})"
         lines.append(f"{mark}{t.check:<{width}}  {counts:<18}  {na:>4}  {why}")
     empty = vacuous(tallies)
-    lines.append(f"VACUOUS (judged nothing, a failure of the run): {', '.join(empty)}" if empty
-                 else f"every one of the {len(tallies)} checks judged at least once")  # fmt: skip
+    only_blocked = [t.check for t in tallies if t.judged == 0 and t.blocked]
+    if empty:
+        lines.append(f"VACUOUS (judged nothing, a failure of the run): {', '.join(empty)}")
+    elif only_blocked:  # not vacuous (the findings that blocked them are reported), but not judged either: say so
+        lines.append(
+            f"{len(tallies) - len(only_blocked)} of the {len(tallies)} checks judged at least once; "
+            f"{', '.join(only_blocked)} judged nothing here, every scenario blocked by a registered finding"
+        )
+    else:
+        lines.append(f"every one of the {len(tallies)} checks judged at least once")
     return "\n".join(lines)

@@ -27,6 +27,9 @@ def test_the_tally_counts_every_result_once_and_a_check_is_vacuous_exactly_when_
     assert vacuous(tallies.values()) == [c for c, t in tallies.items() if t.vacuous]
     text = render(tallies.values())
     assert ("VACUOUS" in text) == bool(vacuous(tallies.values()))
+    # the last line claims every check judged only when every one did: a check only blocked is named, never hidden
+    every = bool(tallies) and all(t.judged for t in tallies.values())
+    assert text.splitlines()[-1].startswith("every one of") == every, text
 
 
 def test_reasons_that_differ_only_in_numbers_count_as_one():
