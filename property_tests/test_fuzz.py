@@ -20,7 +20,7 @@ from cbverify.fuzz.batch_driver import BatchSession
 from cbverify.fuzz.batch_judge import Intent, banned_by_ngrams, intent, processed
 from cbverify.fuzz.case import FuzzCase, FuzzRequest, Step
 from cbverify.fuzz.drivers import CallResult, Output
-from cbverify.fuzz.findings import FUZZ_FINDINGS, covering
+from cbverify.fuzz.findings import FUZZ_FINDINGS, explaining
 from cbverify.fuzz.run import Pristine, run_case
 from cbverify.fuzz.search import explore
 from cbverify.upstream.findings import transformers_in
@@ -37,26 +37,30 @@ VLLM_EXAMPLES = 6  # ~10-15 s each (a vLLM worker per case): make test-vllm
 @pytest.mark.parametrize("finding", FUZZ_FINDINGS, ids=lambda f: f.id)
 def test_every_registered_fuzz_finding_still_reproduces(llama, finding):
     """Strict both ways (``cbverify matrix`` runs it on every release): inside the finding's ``transformers`` range
-    the repro must fail as registered (the day upstream fixes it this fails and the entry is updated), outside it
-    the repro must pass (else the range is mis-scoped) except where another registered finding explains the check
-    (e.g. before 5.18 a persistent generate_batch's second call returns nothing, which hides what a later call
-    would show)."""
+    the repro must fail as registered, with the details the finding predicts (the day upstream fixes it, or fails
+    it another way, this fails and the entry is updated), outside it the repro must pass (else the range is
+    mis-scoped) except where another registered finding explains the failure (e.g. before 5.18 a persistent
+    generate_batch's second call returns nothing, which hides what a later call would show)."""
     if not finding.applies(finding.repro):  # e.g. a paused manager before transformers had pause()
         pytest.skip(f"{finding.id}: its repro cannot be expressed on transformers {transformers.__version__}")
     pristine = Pristine(llama.model)
     try:
-        checks = run_case(llama.model, finding.repro).checks
+        failures = [f for f in run_case(llama.model, finding.repro).failures if f.check in finding.checks]
     finally:
         pristine.restore()
+    seen = [(f.check, f.detail) for f in failures]
+    explained = {f: explaining(finding.engine, f.check, f.detail, finding.repro)[0] for f in failures}
     if not transformers_in(finding.transformers):  # a failure another registered finding explains may hide it
-        unexplained = {c for c in checks & set(finding.checks) if covering(finding.engine, c, finding.repro) is None}
-        assert not unexplained, (
+        assert all(explained.values()), (
             f"{finding.id} reproduces on transformers {transformers.__version__}, outside its registered range "
-            f"{finding.transformers!r}: {checks}"
+            f"{finding.transformers!r}: {seen}"
         )
         return
-    assert checks & set(finding.checks), f"{finding.id} no longer reproduces (FIXED?): {checks}"
-    assert all(finding.covers(c, finding.repro) for c in checks & set(finding.checks))
+    assert failures, f"{finding.id} no longer reproduces (FIXED?)"
+    assert all(finding.covers(f.check, finding.repro) for f in failures)
+    mine = [f for f in failures if finding.mismatch(f.check, f.detail, finding.repro) is None]
+    assert mine, f"{finding.id} fails otherwise than it predicts: {seen}"
+    assert all(explained.values()), f"{finding.id}: a failure no finding predicts: {seen}"
 
 
 def test_a_written_repro_script_reproduces_its_failure_standalone(tmp_path):
@@ -377,8 +381,12 @@ def test_the_real_generate_batchs_results_broken_after_the_call_are_caught(llama
             outcomes[name] = run_case(llama.model, GROUPS, factory)
         finally:
             pristine.restore()
-    registered = {c for c in outcomes["real"].checks if covering("transformers-cb", c, GROUPS)}
-    assert outcomes["real"].checks == registered, [(f.check, f.detail) for f in outcomes["real"].failures]
+    real = outcomes["real"].failures
+    unexplained = [
+        (f.check, f.detail) for f in real if not explaining("transformers-cb", f.check, f.detail, GROUPS)[0]
+    ]
+    assert not unexplained, unexplained
+    registered = outcomes["real"].checks
     if registered & {"result-count", check}:  # e.g. before 5.18 generate_batch drops the forked sequences itself
         pytest.skip(f"transformers {transformers.__version__} already fails {registered} on this case (registered)")
     assert {"result-count", "results-order", "logprobs"} <= outcomes["real"].decisive
@@ -400,7 +408,8 @@ def test_a_generate_batch_that_never_returns_is_reported_as_a_crash(llama):
         pristine.restore()
     crash = [f.detail for f in outcome.failures if f.check == "engine-crash"]
     assert crash and "did not return" in crash[0], outcome.failures
-    assert covering("transformers-cb", "engine-crash", case) is not None
+    finding, why = explaining("transformers-cb", "engine-crash", crash[0], case)
+    assert finding and finding.id == "cb-persistent-manager-keeps-the-first-generation-config", why
 
 
 @pytest.mark.slow

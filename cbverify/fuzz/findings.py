@@ -1,19 +1,27 @@
 """Registered failures the fuzzer finds on the pinned stack: each a failure class (the checks it fails), the engine,
-the condition on the case (``applies``), measured evidence, and the smallest case that shows it (``repro``; the test
-suite runs it as a strict expected failure, so an upstream fix turns the suite red until the entry is updated).
-Conditions read every ``GenerationConfig`` a case passes (``FuzzCase.generations``): the manager's, or each
-``generate_batch`` call's.
+the condition on the case (``applies``), what it makes each check report (``predicts``), measured evidence, and the
+smallest case that shows it (``repro``; the test suite runs it as a strict expected failure, so an upstream fix turns
+the suite red until the entry is updated). Conditions read every ``GenerationConfig`` a case passes
+(``FuzzCase.generations``): the manager's, or each ``generate_batch`` call's.
+
+A finding excuses a failure only when the failure is *its* failure: :func:`explaining` asks every finding whose
+checks, condition and versions cover the failure (:meth:`FuzzFinding.covers`) whether the check's detail is the one
+it predicts (:meth:`FuzzFinding.mismatch`); a covered failure no finding predicts is reported as
+``FAIL(not <id>: <how it differs>)``. The manager entry's findings are here; ``generate_batch``'s are in
+:mod:`cbverify.fuzz.batch_findings`; import both from this module (``FUZZ_FINDINGS``, ``BATCH_FINDINGS``).
 """
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from cbverify.engines import transformers_compat as compat
 from cbverify.fuzz.case import FuzzCase, FuzzRequest, Step, pages_needed
 from cbverify.upstream.findings import transformers_in
-from reference import tasks
+from cbverify.upstream.predictions import Prediction
 
 SEEN = "transformers 5.24.0 (torch 2.13.0, CPU, float32, tiny-llama-arith)"
 PROMPT = (1, 6, 5, 16, 7, 5, 3)
@@ -21,6 +29,8 @@ ARITH = (1, 19, 17, 10, 5, 13, 12, 10, 13, 11, 22)  # greedy: (10, 5, 13, 12, 10
 _CB = dict(page_size=4, num_blocks=16, max_batch_tokens=16, return_logprobs=True) | (
     {"seed": 0} if compat.has("seed") else {}  # the field exists from 5.9 (cbverify.engines.transformers_compat)
 )
+# strings no prediction may match: a pattern that does matches (nearly) anything, and would excuse any failure
+TOO_BROAD = ("", "\x00", "an unrelated failure: 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,14 +42,119 @@ class FuzzFinding:
     applies: Callable[[FuzzCase], bool]
     evidence: str
     repro: FuzzCase
+    # per check in ``checks``, the failure it excuses: a regular expression the check's detail must contain, or a
+    # Prediction whose model(case, the pattern's named groups) says how the detail differs (None: it is this one)
+    predicts: dict[str, Prediction | str]
     affected: str = SEEN
     transformers: str = ""  # PEP 440 specifier ("" = every version seen)
 
+    def __post_init__(self) -> None:
+        predicts = {c: p if isinstance(p, Prediction) else Prediction(p) for c, p in self.predicts.items()}
+        if set(predicts) != set(self.checks):
+            raise ValueError(f"finding {self.id}: predicts must give one prediction per check {self.checks}, got "
+                             f"{sorted(predicts)}")  # fmt: skip
+        for check, prediction in predicts.items():
+            if any(re.search(prediction.pattern, s) for s in TOO_BROAD):
+                raise ValueError(f"finding {self.id}: the {check} prediction /{prediction.pattern}/ matches anything")
+        object.__setattr__(self, "predicts", predicts)
+
     def covers(self, check: str, case: FuzzCase) -> bool:
+        """The check, the case's configuration and the installed version are the finding's (whatever was observed:
+        whether the failure is the predicted one is :meth:`mismatch`'s question)."""
         hit = case.engine == self.engine and check in self.checks and self.applies(case)
         return hit and transformers_in(self.transformers)
 
+    def mismatch(self, check: str, detail: str, case: FuzzCase) -> str | None:
+        """``None`` when ``detail`` (``check``'s) is the failure this finding predicts on ``case``, else why not."""
+        prediction = self.predicts[check]
+        found = re.search(prediction.pattern, detail)
+        if found is None:
+            shown = prediction.pattern if len(prediction.pattern) <= 120 else prediction.pattern[:117] + "..."
+            return f"its {check} detail does not match /{shown}/"
+        return None if prediction.model is None else prediction.model(case, found.groupdict())
 
+
+# ------------------------------------------------------------------------------------------------ predictions
+# Pieces of the judge's details (cbverify.fuzz.judge, cbverify.fuzz.batch_judge) that the predictions are written in.
+UNSIGNED = r"\d+(?:\.\d+)?(?:e[+-]\d+)?"  # a float as the judge prints it (%.6g), without its sign
+NUMBER, FINITE = rf"-?(?:inf|nan|{UNSIGNED})", rf"-?{UNSIGNED}"
+TOKEN_LIST = r"[\[(](?:\d+(?:, )?)*,?[\])]"  # a tuple (the manager's judge) or a list (generate_batch's)
+TOKENS = (  # and, where the judge prints them (generate_batch), the call's EOS ids
+    rf"^'(?P<request>[^']*)' diverges at position (?P<position>\d+): oracle (?P<oracle>{TOKEN_LIST}) vs engine "
+    rf"(?P<engine>{TOKEN_LIST})(?: \(do_sample=\w+, eos=\[(?P<eos>[\d, ]*)\])?"
+)
+LOGPROB = rf"position \d+: got (?P<got>{NUMBER}), oracle (?P<oracle>{NUMBER}) \(\|diff\|"
+RESULTS = r"^(?P<got>\d+) results for (?P<inputs>\d+) inputs x (?P<n>\d+): "
+EOS_BEFORE_MINIMUM = r"^'[^']+': EOS at \d+ < (?:min_new_tokens \d+$|the minimum \d+ \(prompt \d+ tokens\): )"
+# a sampled token outside the support that is one of the call's EOS ids (masked before the minimum length)
+EOS_OUTSIDE_SUPPORT = r"token (\d+) at \d+ is outside the processed support \(do_sample=True, eos=\[(?:\d+, )*\1[,\]]"
+EOS_RUNS_ON = r"^request '[^']+': EOS at position \d+ but the completion goes on to \d+$"
+
+
+def crash(exception: str, message: str) -> str:
+    """An ``engine-crash`` detail: the generation thread died of ``exception(message)``, or the call (or a step
+    between calls) raised it; ``message`` is a regular expression."""
+    return rf"^(?:generation thread died: {exception}\(['\"]|(?:refused: )?{exception}: ){message}"
+
+
+def failed(message: str) -> str:
+    """A ``request-failed`` detail: a result came back with the error ``message`` (a regular expression)."""
+    return rf"^'[^']+': {message}"
+
+
+def _ints(text: str) -> list[int]:
+    return [int(t) for t in re.findall(r"\d+", text)]
+
+
+def eos_at_the_divergence(case: FuzzCase, seen: dict) -> str | None:
+    """Tokens: the engine's token at the divergence is one of the request's EOS ids (it emitted an EOS the oracle
+    holds back), where the oracle's completion goes on. The EOS ids are the detail's (generate_batch), else the
+    request's in the case."""
+    position, oracle, engine = int(seen["position"]), _ints(seen["oracle"]), _ints(seen["engine"])
+    if seen.get("eos") is not None:
+        eos = _ints(seen["eos"])
+    else:
+        eos = next((list(r.eos_token_ids) for r in case.requests if r.request_id == seen["request"]), [])
+    if len(oracle) > position < len(engine) and engine[position] in eos:
+        return None
+    token = engine[position] if position < len(engine) else "nothing"
+    return f"the engine's token at the divergence (position {position}) is {token}, not an EOS {eos} held back"
+
+
+def differs_at_the_divergence(case: FuzzCase, seen: dict) -> str | None:
+    """Tokens: both completions have a token at the divergence (the engine picked another one); neither ended
+    before it."""
+    position, oracle, engine = int(seen["position"]), _ints(seen["oracle"]), _ints(seen["engine"])
+    if len(engine) > position and len(oracle) > position:
+        return None
+    return f"the {'engine' if len(engine) <= position else 'oracle'} had ended before the divergence at {position}"
+
+
+def runs_past_the_end(case: FuzzCase, seen: dict) -> str | None:
+    """Tokens: the oracle's completion ended (on its EOS) and the engine's goes on past it."""
+    position, oracle, engine = int(seen["position"]), _ints(seen["oracle"]), _ints(seen["engine"])
+    if len(oracle) == position < len(engine):
+        return None
+    return f"the engine does not go on past the oracle's end ({len(oracle)} oracle, {len(engine)} engine tokens)"
+
+
+def mass_removed(case: FuzzCase, seen: dict) -> str | None:
+    """Log-probs: the oracle removes tokens the engine keeps (an EOS before the minimum, a banned n-gram): the
+    engine's token is one of them (oracle -inf), or it is not and its oracle log-prob is the higher one (the removed
+    mass goes to the rest)."""
+    got, oracle = float(seen["got"]), float(seen["oracle"])
+    if oracle == -math.inf or got < oracle:
+        return None
+    return f"got {got:.6g} is not below the oracle's {oracle:.6g}, as removing tokens from the oracle makes it"
+
+
+def fewer_results(case: FuzzCase, seen: dict) -> str | None:
+    """Result count: results are missing (never more than asked)."""
+    got, want = int(seen["got"]), int(seen["inputs"]) * int(seen["n"])
+    return None if got < want else f"{got} results, not fewer than the {want} asked for"
+
+
+# ------------------------------------------------------------------------------------------------ the manager
 def _one_call(*requests: FuzzRequest, generation=None, caller_training=False, **config) -> FuzzCase:
     gen = generation or {"do_sample": False}
     steps = (Step("call", requests),)
@@ -62,7 +177,16 @@ def _cache_fits_exactly(case: FuzzCase) -> bool:
     return case.config.get("num_blocks") is not None and case.config["num_blocks"] <= pages_needed(case.requests, page)
 
 
-FUZZ_FINDINGS: tuple[FuzzFinding, ...] = (
+NOT_SCHEDULABLE = r"No requests can be scheduled and no requests? can be offloaded\."  # 5.17 and on: "requests"
+EOS_HELD_BACK = {  # a dropped minimum length: EOS comes before it
+    "min-new-tokens": EOS_BEFORE_MINIMUM,
+    "tokens": Prediction(TOKENS, eos_at_the_divergence),
+    "logprobs": Prediction(LOGPROB, mass_removed),
+    "support": EOS_OUTSIDE_SUPPORT,
+}
+
+
+MANAGER_FINDINGS: tuple[FuzzFinding, ...] = (
     FuzzFinding(
         id="cb-training-forward-fails-while-paused",
         engine="transformers-cb",
@@ -88,6 +212,7 @@ FUZZ_FINDINGS: tuple[FuzzFinding, ...] = (
                 Step("call", (FuzzRequest("c1-r", PROMPT, 2, (2,)),)),
             ),
         ),  # fmt: skip
+        predicts={"engine-crash": crash("ValueError", r"`paged\|\w+` was called without a paged attention cache")},
         affected="transformers 5.18.0; not 5.19.0 to 5.24.0; not drawn before 5.18 (no pause()) (cbverify matrix "
         "--all-minors 5.8 --fuzz 100)",
         transformers=">=5.18,<5.19",
@@ -104,6 +229,11 @@ FUZZ_FINDINGS: tuple[FuzzFinding, ...] = (
         "never returns (5.17.0: the request comes back failed with the same message); with one spare page it is "
         "served",
         repro=_one_call(FuzzRequest("r", (1, 6, 19), 1, (2,)), num_blocks=1, max_batch_tokens=4),
+        predicts={
+            "engine-crash": crash("RuntimeError", NOT_SCHEDULABLE),
+            "lost-request": r"^'[^']+' never came back \(\d+/\d+ results\)$",  # the check says no more than that
+            "request-failed": failed(NOT_SCHEDULABLE),
+        },
         affected="transformers 5.8.1 to 5.17.0; not 5.18.0 to 5.24.0 (the repro in every venv of cbverify matrix "
         "--all-minors 5.8; the fuzzer found it on 5.8.1)",
         transformers="<5.18",
@@ -119,6 +249,7 @@ FUZZ_FINDINGS: tuple[FuzzFinding, ...] = (
         "torch.multinomial on it; the caller's random stream is replaced (5.8.1, with no seed field: a greedy "
         "call leaves it alone, a sampled one consumes it)",
         repro=_one_call(FuzzRequest("r", PROMPT, 4, (2,), 1.0, 0), generation={"do_sample": not compat.has("seed")}),
+        predicts={"state:global-rng": r"^torch's global RNG state changed$"},
     ),
     FuzzFinding(
         id="cb-leaves-paged-attention",
@@ -130,6 +261,7 @@ FUZZ_FINDINGS: tuple[FuzzFinding, ...] = (
         "later forward of the caller, the oracle's included, runs the paged kernels (the trainer-side effect is "
         "the upstream finding cb-leaves-paged-attention-for-training)",
         repro=_one_call(FuzzRequest("r", PROMPT, 2, (2,))),
+        predicts={"state:attn-implementation": r"^attn_implementation '(?!paged)[^']+' before, 'paged\|[^']+' after$"},
         affected="transformers 5.8.1; not 5.9.0 to 5.24.0 (cbverify matrix --all-minors 5.8)",
         transformers="<5.9",
     ),
@@ -142,22 +274,24 @@ FUZZ_FINDINGS: tuple[FuzzFinding, ...] = (
         evidence="ContinuousBatchingManager.__init__ runs self.model = model.eval() and stop()/destroy() restore "
         "only the attention implementation: a model handed over in train mode comes back in eval mode",
         repro=_one_call(FuzzRequest("r", PROMPT, 2, (2,)), caller_training=True),
+        predicts={"state:training-mode": r"^training True before, False after$"},
     ),
     FuzzFinding(
         id="cb-drops-min-new-tokens",
         engine="transformers-cb",
-        checks=("min-new-tokens", "tokens", "logprobs", "conventions", "support"),
+        checks=("min-new-tokens", "tokens", "logprobs", "support"),
         when="GenerationConfig(min_new_tokens > 0)",
         applies=lambda case: _asks(case, "min_new_tokens"),
         evidence="greedy, min_new_tokens=6, EOS=2: CB returns (20, 17, 5, 5, 5, 2) (EOS at position 5) where the "
         "oracle, as generate() does, holds EOS back and continues (20, 17, 5, 5, 5, 3, 2): "
         "MinNewTokensLengthLogitsProcessor is marked supports_continuous_batching=False and dropped (logged only)",
         repro=_one_call(FuzzRequest("r", ARITH, 4, (10,)), generation={"do_sample": False, "min_new_tokens": 2}),
+        predicts=EOS_HELD_BACK,
     ),
     FuzzFinding(
         id="cb-drops-repetition-penalty",
         engine="transformers-cb",
-        checks=("logprobs", "tokens", "min-new-tokens", "conventions", "support"),
+        checks=("logprobs", "tokens", "support"),
         when="GenerationConfig(repetition_penalty != 1)",
         applies=lambda case: _asks(case, "repetition_penalty", lambda v: v not in (None, 1.0)),
         evidence="greedy, repetition_penalty=1.3: CB's tokens are those of no penalty (oracle (13, 6, 3, 16, 6) vs "
@@ -166,6 +300,11 @@ FUZZ_FINDINGS: tuple[FuzzFinding, ...] = (
         repro=_one_call(
             FuzzRequest("r", (1, 6, 6, 6, 6, 6, 6), 6, ()), generation={"do_sample": False, "repetition_penalty": 1.3}
         ),  # fmt: skip
+        predicts={  # unpenalised scores: another token where both go on, a finite log-prob, a sample the penalty cuts
+            "logprobs": rf"position \d+: got {FINITE}, oracle {NUMBER} \(\|diff\|",
+            "tokens": Prediction(TOKENS, differs_at_the_divergence),
+            "support": r"is outside the processed support \(do_sample=True, .*repetition_penalty=(?!1\.0,)",
+        },
     ),
     FuzzFinding(
         id="cb-per-request-top-k-zero-is-top-1",
@@ -184,323 +323,41 @@ FUZZ_FINDINGS: tuple[FuzzFinding, ...] = (
             {"do_sample": True},
             (Step("call", (FuzzRequest("r", PROMPT, 4, (), 1.0, 0),)),),
         ),  # fmt: skip
+        predicts={"logprobs": rf"position \d+: got -?0, oracle -{UNSIGNED} \(\|diff\|"},  # all the mass on one token
     ),
 )
 
 
-# ------------------------------------------------------------------------------------------------ generate_batch
-BATCH_CONTENT = ("tokens", "support", "logprobs", "conventions", "min-new-tokens", "no-repeat-ngram")
+def __getattr__(name: str):
+    """``BATCH_FINDINGS`` (:mod:`cbverify.fuzz.batch_findings`, built from the definitions above, so read on first
+    use) and ``FUZZ_FINDINGS``, every registered finding: the manager's, then generate_batch's."""
+    if name not in ("BATCH_FINDINGS", "FUZZ_FINDINGS"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from cbverify.fuzz.batch_findings import BATCH_FINDINGS
 
-
-def _batch(*steps: Step, generation: dict, persistent: bool = False, **config) -> FuzzCase:
-    steps = tuple(s if isinstance(s, Step) else Step("call", s) for s in steps)
-    return FuzzCase("transformers-cb", "tiny-llama-arith", persistent, {**_CB, **config}, generation, steps,
-                    entry="generate_batch")  # fmt: skip
-
-
-def _inputs(call: int, *prompts, max_new_tokens: int) -> tuple[FuzzRequest, ...]:
-    return tuple(FuzzRequest(f"c{call}-i{j}", p, max_new_tokens, ()) for j, p in enumerate(prompts))
-
-
-def _batch_calls(case: FuzzCase) -> list[tuple[Step, dict]]:
-    return [(s, case.generation_of(s)) for s in case.calls] if case.entry == "generate_batch" else []
-
-
-def _eos_unset(case: FuzzCase) -> bool:
-    return any(g.get("eos_token_id") is None for _, g in _batch_calls(case))
-
-
-def _swallowed_kwargs(case: FuzzCase) -> bool:
-    return any(set(s.options) - {"max_new_tokens"} for s, _ in _batch_calls(case))
-
-
-def _later_config_differs(case: FuzzCase) -> bool:
-    """A persistent manager, and a later call's config differs from the first call's beyond ``max_new_tokens``."""
-    calls = _batch_calls(case)
-    strip = lambda g: {k: v for k, v in g.items() if k != "max_new_tokens"}  # noqa: E731
-    return case.persistent and any(strip(g) != strip(calls[0][1]) for _, g in calls[1:])
-
-
-def _prefix_cached(case: FuzzCase, whole: bool = False) -> bool:
-    """A persistent manager sharing blocks, and a later call's prompt starting with a whole page of an earlier call's
-    (``whole``: the same prompt again, its length a multiple of the page size)."""
-    if case.entry != "generate_batch" or not case.persistent or case.config.get("allow_block_sharing") is False:
-        return False
-    page, seen = case.config.get("page_size") or compat.DEFAULT_PAGE_SIZE, []
-    for s in case.calls:
-        prompts = [r.prompt_ids for r in s.requests]
-        for p in prompts:
-            if whole and len(p) % page == 0 and p in seen:
-                return True
-            if not whole and len(p) >= page and any(q[:page] == p[:page] for q in seen if len(q) >= page):
-                return True
-        seen += prompts
-    return False
-
-
-def _prefix_cached_before_a_change(case: FuzzCase) -> bool:
-    """A persistent manager sharing blocks, and a call after a training step or weight update whose prompt starts
-    with a whole page of a prompt some call before that change had."""
-    if case.entry != "generate_batch" or not case.persistent or case.config.get("allow_block_sharing") is False:
-        return False
-    page, before, changed = case.config.get("page_size") or compat.DEFAULT_PAGE_SIZE, [], False
-    for s in case.steps:
-        if s.kind != "call":
-            changed = changed or bool(before)
-            continue
-        prompts = [r.prompt_ids for r in s.requests]
-        if changed and any(len(p) >= page and p[:page] == q[:page] for p in prompts for q in before if len(q) >= page):
-            return True
-        if not changed:
-            before += prompts
-    return False
-
-
-BATCH_FINDINGS: tuple[FuzzFinding, ...] = (
-    FuzzFinding(
-        id="cb-no-repeat-ngram-sees-one-token-per-row",
-        engine="transformers-cb",
-        checks=("engine-crash", "request-failed", "result-count", *BATCH_CONTENT),
-        when="GenerationConfig(no_repeat_ngram_size > 0)",
-        applies=lambda case: _asks(case, "no_repeat_ngram_size"),
-        affected="transformers 5.8.1, 5.9.0, 5.16.1, 5.17.0, 5.18.0, 5.20.2, 5.23.0, 5.24.0 (the repro in each venv; "
-        "the releases between them not run)",
-        evidence="NoRepeatNGramLogitsProcessor is kept (supports_continuous_batching unset: 'might not be supported', "
-        "a log line) and called with input_ids = batch['input_ids'][0, logits_indices], one last token per row "
-        "(1-D): with fewer rows than n it bans nothing (cur_len is the row count), otherwise "
-        "input_ids[:, ...] raises IndexError('too many indices for tensor of dimension 1'), the generation "
-        "thread dies and every request comes back failed (generate_batch logs it and returns them)",
-        repro=_batch(
-            _inputs(0, PROMPT, ARITH, max_new_tokens=4),
-            generation={"do_sample": False, "eos_token_id": 2, "no_repeat_ngram_size": 2},
-        ),  # fmt: skip
-    ),
-    FuzzFinding(
-        id="cb-drops-min-length",
-        engine="transformers-cb",
-        checks=("min-new-tokens", "tokens", "logprobs", "support", "conventions"),
-        when="GenerationConfig(min_length > 0) (the whole sequence's minimum, prompt included)",
-        applies=lambda case: _asks(case, "min_length"),
-        affected="transformers 5.8.1, 5.9.0, 5.16.1, 5.17.0, 5.18.0, 5.20.2, 5.23.0, 5.24.0 (the repro in each venv; "
-        "the releases between them not run)",
-        evidence="greedy, min_length=14 for a 7-token prompt, EOS=2: generate_batch returns (22, 20, 17, 7, 5, 3, 2) "
-        "(EOS at 6, 13 tokens in all) where the oracle, as generate() does, holds EOS back to the 14th token: "
-        "MinLengthLogitsProcessor is marked supports_continuous_batching=False and dropped (a log line)",
-        repro=_batch(
-            _inputs(0, PROMPT, max_new_tokens=8), generation={"do_sample": False, "eos_token_id": 2, "min_length": 14}
-        ),  # fmt: skip
-    ),
-    FuzzFinding(
-        id="cb-unset-eos-disables-eos",
-        engine="transformers-cb",
-        checks=("tokens", "conventions", "min-new-tokens", "support", "logprobs", "no-repeat-ngram"),
-        when="generate_batch with a GenerationConfig that leaves eos_token_id unset",
-        applies=_eos_unset,
-        affected="transformers 5.8.1, 5.9.0, 5.16.1, 5.17.0, 5.18.0, 5.20.2, 5.23.0, 5.24.0 (the repro in each venv; "
-        "the releases between them not run)",
-        evidence="GenerationConfig(do_sample=False) with model.generation_config.eos_token_id=2: generate() takes "
-        "the model's EOS for the unset field and stops at it; init_continuous_batching sets eos_token_id=-1 "
-        "('not set in GenerationConfig. Setting to -1 (disabled)', a warning) before add_requests' own fallback "
-        "to the model's EOS can run, so the completion goes on past token 2 to max_new_tokens",
-        repro=_batch(
-            Step("call", _inputs(0, PROMPT, max_new_tokens=8), options={"max_new_tokens": 8}),
-            generation={"do_sample": False},
-        ),  # fmt: skip
-    ),
-    FuzzFinding(
-        id="cb-writes-eos-into-the-callers-generation-config",
-        engine="transformers-cb",
-        checks=("state:generation-config",),
-        when="generate_batch with a GenerationConfig that leaves eos_token_id unset",
-        applies=_eos_unset,
-        affected="transformers 5.8.1, 5.9.0, 5.16.1, 5.17.0, 5.18.0, 5.20.2, 5.23.0, 5.24.0 (the repro in each venv; "
-        "the releases between them not run)",
-        evidence="after generate_batch(inputs, generation_config=GenerationConfig(do_sample=False)) the caller's "
-        "config has eos_token_id=-1 (was None): init_continuous_batching assigns it on the object passed in "
-        "(with no config passed, on model.generation_config itself), so a later generate() with it warns that "
-        "eos_token_id should be positive",
-        repro=_batch(
-            Step("call", _inputs(0, PROMPT, max_new_tokens=2), options={"max_new_tokens": 2}),
-            generation={"do_sample": False},
-        ),  # fmt: skip
-    ),
-    FuzzFinding(
-        id="cb-generate-batch-swallows-generation-kwargs",
-        engine="transformers-cb",
-        checks=("result-count", "results-order", *BATCH_CONTENT),
-        when="generate_batch given a generation option as a keyword argument (other than max_new_tokens)",
-        applies=_swallowed_kwargs,
-        affected="transformers 5.8.1, 5.9.0, 5.16.1, 5.17.0, 5.18.0, 5.20.2, 5.23.0, 5.24.0 (the repro in each venv; "
-        "the releases between them not run)",
-        evidence="generate_batch(..., num_return_sequences=2) returns one result per input, and eos_token_id=[], "
-        "min_new_tokens=8 or do_sample=True given the same way change nothing: generate_batch pops "
-        "max_new_tokens from **kwargs ('the only expected kwarg') and silently ignores the rest, where generate() "
-        "lets keyword arguments override the config",
-        repro=_batch(
-            Step(
-                "call", _inputs(0, PROMPT, max_new_tokens=4), options={"max_new_tokens": 4, "num_return_sequences": 2}
-            ),
-            generation={"do_sample": True, "eos_token_id": 2},
-        ),  # fmt: skip
-    ),
-    FuzzFinding(
-        id="cb-persistent-manager-keeps-the-first-generation-config",
-        engine="transformers-cb",
-        checks=("engine-crash", "result-count", "results-order", "request-failed", *BATCH_CONTENT),
-        when="generate_batch(persistent_manager=True) called again with a different GenerationConfig",
-        applies=_later_config_differs,
-        evidence="the second call's GenerationConfig(eos_token_id=[]) is ignored: init_continuous_batching returns "
-        "the cached manager (an info-level log) with the first call's config, so the call stops at EOS 2; only "
-        "max_new_tokens, which generate_batch reads itself, follows the new config. A later config asking for more "
-        "num_return_sequences than the first makes generate_batch wait forever for results the cached manager "
-        "never forks (its loop counts inputs x the new n)",
-        repro=_batch(
-            Step("call", _inputs(0, PROMPT, max_new_tokens=8)),
-            Step(
-                "call",
-                _inputs(1, PROMPT, max_new_tokens=8),
-                generation={"do_sample": False, "eos_token_id": [], "max_new_tokens": 8},
-            ),
-            generation={"do_sample": False, "eos_token_id": 2, "max_new_tokens": 8},
-            persistent=True,
-        ),  # fmt: skip
-        affected="transformers 5.9.0 to 5.24.0; on 5.8 a later call of a persistent manager returns nothing "
-        "(cb-persistent-generate-batch-answers-only-its-first-call), which hides it (the repro in each venv)",
-        transformers=">=5.9",
-    ),
-    FuzzFinding(
-        id="cb-persistent-manager-reuses-kv-from-old-weights",
-        engine="transformers-cb",
-        checks=("tokens", "logprobs", "support", "conventions", "min-new-tokens", "no-repeat-ngram"),
-        when="generate_batch(persistent_manager=True), block sharing on (the default), the weights changed between "
-        "calls, and a later prompt starting with a whole page of an earlier one",
-        applies=_prefix_cached_before_a_change,
-        evidence="greedy, page_size=4, the same 11-token prompt before and after an in-place weight update: the "
-        "second call returns (10, 5, 13, 12, 10, 16, 4, 9) where the oracle at the new weights gives (8, 3, 13, 4, "
-        "16, 16, 8, 20) (with allow_block_sharing=False it does): the cached manager keeps the first call's "
-        "prompt blocks for prefix sharing and serves the new request their keys and values, computed with the old "
-        "weights",
-        repro=_batch(
-            Step("call", _inputs(0, ARITH, max_new_tokens=8)),
-            Step("update_weights", seed=3),
-            Step("call", _inputs(1, ARITH, max_new_tokens=8)),
-            generation={"do_sample": False, "eos_token_id": 2, "max_new_tokens": 8},
-            persistent=True,
-            allow_block_sharing=True,
-        ),  # fmt: skip
-        affected="transformers 5.9.0 to 5.24.0; on 5.8 a later call of a persistent manager returns nothing "
-        "(cb-persistent-generate-batch-answers-only-its-first-call), which hides it (the repro in each venv)",
-        transformers=">=5.9",
-    ),
-)
-BATCH_FINDINGS += (
-    FuzzFinding(
-        id="cb-per-request-top-k-beyond-vocab-crashes",
-        engine="transformers-cb",
-        checks=("engine-crash", "request-failed", "result-count"),
-        when="per_request_processors=True and a sampled GenerationConfig(top_k > the vocabulary size)",
-        applies=lambda case: (
-            bool(case.config.get("per_request_processors"))
-            and any(g.get("do_sample") and (g.get("top_k") or 0) > tasks.VOCAB_SIZE for g in case.generations())
-        ),
-        evidence="top_k=39 on the 32-token vocabulary: ContinuousBatchingTopKLogitsWarper gathers the sorted scores "
-        "at top_k - 1 without clamping it to the vocabulary, the generation thread dies with RuntimeError('index "
-        "38 is out of bounds for dimension 1 with size 32') and every request comes back failed (top_k equal to "
-        "the vocabulary size works; 5.24 clamps)",
-        repro=_batch(
-            _inputs(0, PROMPT, max_new_tokens=2),
-            generation={"do_sample": True, "top_k": tasks.VOCAB_SIZE + 7, "eos_token_id": 2},
-            per_request_processors=True,
-        ),
-        affected="transformers 5.8.1, 5.9.0, 5.16.1, 5.17.0, 5.18.0, 5.20.2, 5.23.0; not 5.24.0 (the repro in each "
-        "venv)",
-        transformers="<5.24",
-    ),
-    FuzzFinding(
-        id="cb-generate-batch-drops-forked-sequences",
-        engine="transformers-cb",
-        checks=("result-count",),
-        when="generate_batch with GenerationConfig(num_return_sequences > 1)",
-        applies=lambda case: _asks(case, "num_return_sequences", lambda v: (v or 1) > 1),
-        evidence="do_sample=True, num_return_sequences=2, one input: one result comes back; the manager forks the "
-        "children (req_0__child#0) but generate_batch returns only the keys req_0 .. req_<len(inputs)-1>",
-        repro=_batch(
-            _inputs(0, PROMPT, max_new_tokens=2),
-            generation={"do_sample": True, "num_return_sequences": 2, "eos_token_id": 2},
-        ),
-        affected="transformers 5.8.1, 5.9.0, 5.16.1, 5.17.0; not 5.18.0 to 5.24.0 (the repro in each venv)",
-        transformers="<5.18",
-    ),
-    FuzzFinding(
-        id="cb-persistent-generate-batch-answers-only-its-first-call",
-        engine="transformers-cb",
-        checks=("result-count",),
-        when="generate_batch(persistent_manager=True) called more than once",
-        applies=lambda case: case.entry == "generate_batch" and case.persistent and len(case.calls) > 1,
-        evidence="the second call of a persistent manager with one input returns {}: the cached manager numbers "
-        "requests on from its counter (req_1) while generate_batch looks its results up as req_0 .. "
-        "req_<len(inputs)-1>, so a later call gets back only the results whose number happens to be below its "
-        "input count",
-        repro=_batch(
-            Step("call", _inputs(0, PROMPT, max_new_tokens=2)),
-            Step("call", _inputs(1, PROMPT, max_new_tokens=2)),
-            generation={"do_sample": False, "eos_token_id": 2, "max_new_tokens": 2},
-            persistent=True,
-        ),
-        affected="transformers 5.8.1; not 5.9.0 to 5.24.0 (the repro in each venv)",
-        transformers="<5.9",
-    ),
-    FuzzFinding(
-        id="cb-persistent-fork-of-a-cached-whole-page-prompt-crashes",
-        engine="transformers-cb",
-        checks=("engine-crash", "request-failed", "result-count"),
-        when="generate_batch(persistent_manager=True), block sharing on, num_return_sequences > 1, and a later call "
-        "asking again for a prompt whose length is a multiple of page_size",
-        applies=lambda case: (
-            _prefix_cached(case, whole=True) and _asks(case, "num_return_sequences", lambda v: (v or 1) > 1)
-        ),
-        evidence="page_size=4, an 8-token prompt, do_sample=True, num_return_sequences=2, asked in two calls of a "
-        "persistent manager: the second call's generation thread dies with RuntimeError('cannot reshape tensor "
-        "of 0 elements into shape [1, 0, -1, 32] ...'): every page of the prompt is found cached, and the forked "
-        "request is scheduled with no token to compute",
-        repro=_batch(
-            Step("call", _inputs(0, ARITH[:8], max_new_tokens=2)),
-            Step("call", _inputs(1, ARITH[:8], max_new_tokens=2)),
-            generation={"do_sample": True, "num_return_sequences": 2, "eos_token_id": 2, "max_new_tokens": 2},
-            persistent=True,
-        ),
-        affected="transformers 5.8.1, 5.9.0, 5.16.1, 5.17.0; not 5.18.0 to 5.24.0 (the repro in each venv)",
-        transformers="<5.18",
-    ),
-    FuzzFinding(
-        id="cb-fork-without-room-kills-the-loop",
-        engine="transformers-cb",
-        checks=("engine-crash", "request-failed", "result-count"),
-        when="num_return_sequences > 1 and a cache too small for every forked copy at once",
-        applies=lambda case: (
-            _asks(case, "num_return_sequences", lambda v: (v or 1) > 1)
-            and case.config.get("num_blocks") is not None
-            and case.config["num_blocks"]
-            < max(g.get("num_return_sequences") or 1 for g in case.generations())
-            * pages_needed(case.requests, case.config.get("page_size") or compat.DEFAULT_PAGE_SIZE)
-        ),
-        evidence="page_size=4, num_blocks=4, an 8-token prompt, 4 new tokens, do_sample=True, num_return_sequences=3: "
-        "the generation thread dies with ValueError('Failed to fork blocks for request req_0') and the request "
-        "comes back failed; the release that fixes it forks what fits and queues the other copies as new requests",
-        repro=_batch(
-            Step("call", _inputs(0, ARITH[:8], max_new_tokens=4), options={"max_new_tokens": 4}),
-            generation={"do_sample": True, "num_return_sequences": 3, "eos_token_id": []},
-            num_blocks=4,
-        ),
-        affected="transformers 5.8.1, 5.9.0; not 5.16.1 to 5.24.0; 5.10 to 5.15 not run (the repro in each venv)",
-        transformers="<5.16",
-    ),
-)
-FUZZ_FINDINGS = FUZZ_FINDINGS + BATCH_FINDINGS
+    globals().update(BATCH_FINDINGS=BATCH_FINDINGS, FUZZ_FINDINGS=MANAGER_FINDINGS + BATCH_FINDINGS)
+    return globals()[name]
 
 
 def covering(engine_name: str, check: str, case: FuzzCase) -> FuzzFinding | None:
-    """The registered finding that explains ``check`` failing on ``case`` (``None``: an unregistered failure)."""
+    """The first registered finding whose checks, condition and versions cover ``check`` on ``case``, whatever the
+    check observed (``None``: none does). Whether a failure is that finding's is :func:`explaining`'s question."""
     if case.engine != engine_name:
         return None
-    return next((f for f in FUZZ_FINDINGS if f.covers(check, case)), None)
+    return next((f for f in __getattr__("FUZZ_FINDINGS") if f.covers(check, case)), None)
+
+
+def explaining(engine_name: str, check: str, detail: str, case: FuzzCase) -> tuple[FuzzFinding | None, str]:
+    """For a failure of ``check`` with ``detail`` on ``case``: ``(finding, "")`` for a covering finding that predicts
+    it, or ``(None, why)``: ``why`` names every covering finding and how the detail differs from its prediction
+    ("not <id>: <how>; ..."; "" when none covers it: an unregistered failure)."""
+    if case.engine != engine_name:
+        return None, ""
+    misses = []
+    for finding in __getattr__("FUZZ_FINDINGS"):
+        if finding.covers(check, case):
+            why = finding.mismatch(check, detail, case)
+            if why is None:
+                return finding, ""
+            misses.append(f"not {finding.id}: {why}")
+    return None, "; ".join(misses)
