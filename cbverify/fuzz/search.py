@@ -1,8 +1,10 @@
 """The search: Hypothesis draws cases (:func:`cbverify.fuzz.strategies.fuzz_cases`), each is run and judged. A failure
-class is a failing check together with the registered finding that covers that instance
-(:data:`cbverify.fuzz.findings.FUZZ_FINDINGS`), or none: XFAIL(<finding>) when one covers it, FAIL otherwise. A
-class's first failing case is then shrunk (drop steps, calls and requests, shorten prompts and completions, one
-manager per call) while the same check keeps failing.
+class is a failing check together with the registered finding that explains that instance
+(:data:`cbverify.fuzz.findings.FUZZ_FINDINGS`, :func:`~cbverify.fuzz.findings.explaining`): XFAIL(<finding>) when a
+finding covers it and predicts its detail, FAIL(not <finding>: <how it differs>) when findings cover it but none
+predicts it, FAIL when none covers it; both FAILs are unregistered failures of the run. A class's first failing case
+is then shrunk (drop steps, calls and requests, shorten prompts and completions, one manager per call) while the same
+check keeps failing the same way.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 
 from cbverify.fuzz.case import FuzzCase
-from cbverify.fuzz.findings import covering
-from cbverify.fuzz.run import Pristine, run_case
+from cbverify.fuzz.findings import explaining
+from cbverify.fuzz.run import Outcome, Pristine, run_case
 from cbverify.fuzz.strategies import batch_cases, fuzz_cases
 
 
@@ -27,6 +29,24 @@ class FailureClass:
     detail: str
     examples: int = 0
     finding: str | None = None
+    why: str = ""  # findings cover it but none predicts it: "not <id>: <how the detail differs>; ..."
+
+    @property
+    def key(self) -> str:
+        """The class: the check and the finding that explains it, or how it is unexplained (``classify``)."""
+        return f"{self.check}:{self.finding or ('not-predicted' if self.why else 'unregistered')}"
+
+    @property
+    def verdict(self) -> str:
+        """XFAIL(<finding>), FAIL(not <finding>: <how it differs>) or FAIL."""
+        return f"XFAIL({self.finding})" if self.finding else f"FAIL({self.why})" if self.why else "FAIL"
+
+
+def classify(engine: str, check: str, detail: str, case: FuzzCase) -> tuple[str, str | None, str]:
+    """``(class key, finding id or None, why)`` of one failure (``engine``: the label findings are matched against)."""
+    finding, why = explaining(engine, check, detail, case)
+    cls = FailureClass(check, case, detail, finding=finding and finding.id, why=why)
+    return cls.key, cls.finding, why
 
 
 @dataclass(slots=True)
@@ -42,7 +62,22 @@ class Report:
 
     @property
     def unregistered(self) -> list[FailureClass]:
+        """The classes no registered finding explains: FAIL and FAIL(not <finding>: ...)."""
         return [c for c in self.classes.values() if c.finding is None]
+
+    def add(self, case: FuzzCase, outcome: Outcome) -> None:
+        """Count one judged case: what it exercised, and each failure in its class."""
+        self.examples += 1
+        self.explored.update(outcome.features)
+        self.configs.update(_config_keys(case))
+        self.decisive.update(outcome.decisive)
+        self.failed.update(outcome.checks & outcome.decisive)
+        for f in outcome.failures:
+            key, finding, why = classify(self.engine, f.check, f.detail, case)
+            cls = self.classes.get(key)
+            if cls is None:
+                cls = self.classes[key] = FailureClass(f.check, case, f.detail, finding=finding, why=why)
+            cls.examples += 1
 
 
 def explore(model, engine: str, *, model_name: str, examples: int, seed: int = 0, session_factory=None,
@@ -60,19 +95,7 @@ def explore(model, engine: str, *, model_name: str, examples: int, seed: int = 0
     @given(cases)
     def one(case: FuzzCase) -> None:
         pristine.restore()
-        outcome = run_case(model, case, session_factory)
-        report.examples += 1
-        report.explored.update(outcome.features)
-        report.configs.update(_config_keys(case))
-        report.decisive.update(outcome.decisive)
-        report.failed.update(outcome.checks & outcome.decisive)
-        for f in outcome.failures:  # a class is (check, the finding that explains it or none)
-            finding = covering(engine_label or engine, f.check, case)
-            key = f"{f.check}:{finding.id if finding else 'unregistered'}"
-            cls = report.classes.get(key)
-            if cls is None:
-                cls = report.classes[key] = FailureClass(f.check, case, f.detail, finding=finding and finding.id)
-            cls.examples += 1
+        report.add(case, run_case(model, case, session_factory))
 
     one()
     pristine.restore()
@@ -89,12 +112,18 @@ def _config_keys(case: FuzzCase) -> list[str]:
     return keys + ([f"max_batch_tokens={c.get('max_batch_tokens')}"] if "max_num_batched_tokens" not in c else [])
 
 
-def still_fails(model, case: FuzzCase, check: str, pristine: Pristine, session_factory=None) -> bool:
+def still_fails(model, case: FuzzCase, check: str, pristine: Pristine, session_factory=None, *,
+                like: FailureClass | None = None, engine: str | None = None) -> bool:  # fmt: skip
+    """``check`` fails on ``case``; with ``like``, with the same verdict (the same finding explains it, or the
+    failure stays unexplained), ``engine`` the label findings are matched against (the case's engine by default)."""
     pristine.restore()
     try:
-        return check in run_case(model, case, session_factory).checks
+        failures = [f for f in run_case(model, case, session_factory).failures if f.check == check]
     finally:
         pristine.restore()
+    if like is None:
+        return bool(failures)
+    return any(classify(engine or case.engine, check, f.detail, case)[0] == like.key for f in failures)
 
 
 def candidates(case: FuzzCase):
@@ -144,8 +173,9 @@ def _batch_candidates(case: FuzzCase):
             yield replace(case, config={k: v for k, v in case.config.items() if k != key})
 
 
-def shrink(model, cls: FailureClass, *, budget: int, session_factory=None) -> FailureClass:
-    """Greedy: take the first smaller candidate that still fails ``cls.check``; at most ``budget`` runs."""
+def shrink(model, cls: FailureClass, *, budget: int, session_factory=None, engine: str | None = None) -> FailureClass:
+    """Greedy: take the first smaller candidate that still fails ``cls.check`` with the same verdict (a registered
+    class stays its finding's, an unexplained one unexplained); at most ``budget`` runs."""
     pristine, runs, case = Pristine(model), 0, cls.case
     improved = True
     while improved and runs < budget:
@@ -154,7 +184,7 @@ def shrink(model, cls: FailureClass, *, budget: int, session_factory=None) -> Fa
             if runs >= budget:
                 break
             runs += 1
-            if still_fails(model, cand, cls.check, pristine, session_factory):
+            if still_fails(model, cand, cls.check, pristine, session_factory, like=cls, engine=engine):
                 case, improved = cand, True
                 break
     return replace(cls, case=case)
