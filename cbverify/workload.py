@@ -76,8 +76,14 @@ def build_workload(
     eos_token_ids: tuple[int, ...] | None = None,
 ) -> Workload:
     """The requests (see the module docstring); ``sampled`` (a recipe's sampling) replaces :data:`SPREAD`.
-    ``ValueError`` before any model work when a prompt plus its budget exceeds the checkpoint's context."""
+    ``ValueError`` before any model work when a prompt plus its budget exceeds the checkpoint's context, or a prompt
+    token lies outside the model's vocabulary."""
     ids_list, source = prompt_token_ids(ckpt, prompts_file, num_prompts, seed)
+    for i, ids in enumerate(ids_list):
+        outside = sorted({t for t in ids if ckpt.vocab_size is not None and not 0 <= t < ckpt.vocab_size})
+        if outside:  # a tokenizer with more tokens than the model's embedding has rows
+            raise ValueError(f"prompt {i} ({source}) has token ids {outside[:5]} outside the model's vocabulary of "
+                             f"{ckpt.vocab_size}")  # fmt: skip
     if ckpt.context_length is not None:
         for i, ids in enumerate(ids_list):
             if len(ids) + max_new_tokens > ckpt.context_length:
