@@ -59,7 +59,7 @@ def load_prompts(path: str | Path) -> list[Prompt]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"--prompts {path}: no such file")
-    text = path.read_text()
+    text = read_text(path, "--prompts")
     if path.suffix == ".txt":
         prompts = [Prompt(text=line) for line in text.splitlines() if line.strip()]
     elif path.suffix == ".jsonl":
@@ -78,11 +78,26 @@ def load_prompts(path: str | Path) -> list[Prompt]:
     return prompts
 
 
+def read_text(path: Path, flag: str) -> str:
+    """``path``'s text; ``ValueError`` naming ``flag`` and the file when it is unreadable, not UTF-8 or binary."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{flag} {path}: not UTF-8 text (byte {err.start})") from None
+    except OSError as err:
+        raise ValueError(f"{flag} {path}: cannot be read ({type(err).__name__}: {err.strerror or err})") from None
+    if "\x00" in text:
+        raise ValueError(f"{flag} {path}: binary data (a NUL byte at offset {text.index(chr(0))}), not text")
+    return text
+
+
 def _json(text: str, where: str) -> object:
     try:
         return json.loads(text)
     except json.JSONDecodeError as err:
-        raise ValueError(f"{where}: not valid JSON ({err.msg} at line {err.lineno} column {err.colno})") from None
+        raise ValueError(f"{where}: not valid JSON ({err.msg}, line {err.lineno} column {err.colno})") from None
+    except RecursionError:
+        raise ValueError(f"{where}: not valid JSON (nested too deeply)") from None
 
 
 def _row(row: object, where: str) -> object:
@@ -98,19 +113,31 @@ def _column(data: object, path: Path) -> list:
 
 
 def token_ids(prompt: Prompt, tokenizer) -> list[int]:
-    """The prompt's token ids as TRL's ``GRPOTrainer`` makes them (see the module docstring)."""
-    if prompt.conversational:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("conversational prompts need a chat template, and this tokenizer has none")
-        out = tokenizer.apply_chat_template(prompt.as_messages(), add_generation_prompt=True, tokenize=True,
-                                            return_dict=True)  # fmt: skip
-        ids = out["input_ids"]
-    else:
-        ids = tokenizer(text=prompt.text)["input_ids"]
-    ids = [int(t) for t in (ids[0] if ids and isinstance(ids[0], list) else ids)]
+    """The prompt's token ids as TRL's ``GRPOTrainer`` makes them (see the module docstring); ``ValueError`` in one
+    line when the tokenizer or its chat template refuses the prompt."""
+    if prompt.conversational and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("conversational prompts need a chat template, and this tokenizer has none")
+    try:
+        if prompt.conversational:
+            out = tokenizer.apply_chat_template(prompt.as_messages(), add_generation_prompt=True, tokenize=True,
+                                                return_dict=True)  # fmt: skip
+            ids = out["input_ids"]
+        else:
+            ids = tokenizer(text=prompt.text)["input_ids"]
+        ids = [int(t) for t in (ids[0] if ids and isinstance(ids[0], list) else ids)]
+    except Exception as err:  # a template's raise_exception, a tokenizer error: the prompt is refused, in one line
+        what = "the chat template" if prompt.conversational else "the tokenizer"
+        detail = " ".join(f"{type(err).__name__}: {err}".split())[:300]
+        raise ValueError(f"{what} refuses prompt {_short(prompt)}: {detail}") from None
     if not ids:
-        raise ValueError(f"prompt {prompt} tokenises to nothing")
+        raise ValueError(f"prompt {_short(prompt)} tokenises to nothing")
     return ids
+
+
+def _short(prompt: Prompt) -> str:
+    """The prompt for an error message: on one line, at most 60 characters."""
+    text = prompt.text if prompt.text is not None else " / ".join(m["content"] for m in prompt.as_messages())
+    return repr(text if len(text) <= 60 else text[:57] + "...")
 
 
 _STANDARD = (
