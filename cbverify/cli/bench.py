@@ -14,12 +14,14 @@ from pathlib import Path
 
 from cbverify.bench.timed import DEFAULT_ENGINES, ENGINES
 from cbverify.bench.workloads import WORKLOADS
+from cbverify.cli import device, held_stderr, integer, missing_device, number, refuse, seed_type
 
 GRPO_NS = (8, 32, 64)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:i] (bf16 and flash/sdpa attention on CUDA)")
+    parser.add_argument("--device", type=device, default="cpu",
+                        help="cpu or cuda[:i] (bf16 and flash/sdpa attention on CUDA)")  # fmt: skip
     parser.add_argument(
         "--workload",
         nargs="+",
@@ -27,7 +29,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=list(WORKLOADS),
         help="workloads to run (cbverify/bench/workloads.py documents their length distributions)",
     )
-    parser.add_argument("--n", nargs="+", type=int, default=[8, 32, 64, 128], help="generations per prompt")
+    parser.add_argument("--n", nargs="+", type=integer(1), default=[8, 32, 64, 128],
+                        help="generations per prompt, each >= 1")  # fmt: skip
     parser.add_argument(
         "--engines",
         nargs="+",
@@ -41,25 +44,29 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="'random' (device-shaped random Llama) or a bundled name / local checkpoint directory "
         "for gsm8k-like and uniform; arith always uses tiny-llama-arith (its prompts are in that vocabulary)",
     )
-    parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default fp32 CPU, bf16 CUDA)")
-    parser.add_argument("--rounds", type=int, default=3, help="runs of the whole matrix, the order reversed every "
-                        "other round; each case is its fastest round (min-max beside it)")  # fmt: skip
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="model dtype (default fp32 CPU, bf16 CUDA)")  # fmt: skip
+    parser.add_argument("--rounds", type=integer(1), default=3, help="runs of the whole matrix (>= 1), the order "
+                        "reversed every other round; each case is its fastest round (min-max beside it)")  # fmt: skip
     parser.add_argument("--out", default="bench-results", help="output directory (created)")
-    parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1), help="torch CPU threads")
+    parser.add_argument("--threads", type=integer(1, 1024), default=min(2, os.cpu_count() or 1),
+                        help="torch CPU threads, 1 to 1024")  # fmt: skip
     parser.add_argument(
         "--kv-headroom",
-        type=float,
+        type=number(0, low_open=True),
         default=1.25,
-        help="cb_impl KV budget = distinct prompts + headroom x a-priori mean completion x requests",
+        help="cb_impl KV budget = distinct prompts + headroom (> 0) x a-priori mean completion x requests",
     )
-    parser.add_argument("--max-batch-tokens", type=int, default=512, help="per-step token budget of both CB engines")
+    parser.add_argument("--max-batch-tokens", type=integer(1), default=512,
+                        help="per-step token budget of both CB engines, >= 1")  # fmt: skip
     parser.add_argument(
         "--temperature",
-        type=float,
+        type=number(0),
         default=1.0,
-        help="sampling temperature (TRL's default 1.0); 0 = greedy and checks tokens vs cb_impl",
+        help="sampling temperature, >= 0 (TRL's default 1.0); 0 = greedy and checks tokens vs cb_impl",
     )
-    parser.add_argument("--seed", type=int, default=0, help="workload seed (prompts, lengths, request seeds)")
+    parser.add_argument("--seed", type=seed_type(), default=0,
+                        help="workload seed (prompts, lengths, request seeds), in [0, 2**32)")  # fmt: skip
     parser.add_argument(
         "--time-forwards",
         action=argparse.BooleanOptionalAction,
@@ -73,10 +80,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="also time TRL GRPOTrainer steps with each generation path",
     )
-    parser.add_argument("--grpo-n", nargs="+", type=int, default=list(GRPO_NS), help="N for the GRPO-step benchmark")
-    parser.add_argument("--grpo-steps", type=int, default=5, help="trainer steps per GRPO case and round (the first "
-                        "a warm-up)")  # fmt: skip
-    parser.add_argument("--grpo-rounds", type=int, default=2, help="rounds of every GRPO path, alternating the order")
+    parser.add_argument("--grpo-n", nargs="+", type=integer(2), default=list(GRPO_NS),
+                        help="N for the GRPO-step benchmark, each >= 2 (GRPO needs a group)")  # fmt: skip
+    parser.add_argument("--grpo-steps", type=integer(2), default=5, help="trainer steps per GRPO case and round, "
+                        ">= 2 (the first a warm-up)")  # fmt: skip
+    parser.add_argument("--grpo-rounds", type=integer(1), default=2,
+                        help="rounds of every GRPO path, alternating the order, >= 1")  # fmt: skip
     parser.add_argument(
         "--grpo-model",
         default="tiny-llama-arith",
@@ -98,27 +107,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from cbverify.bench import report
+    from cbverify.bench.grpo_step import GrpoConfig, run_grpo
     from cbverify.bench.suite import SuiteConfig, run_suite
 
-    if args.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise SystemExit(f"--device {args.device}: CUDA is not available on this machine")
     out = Path(args.out)
-    config = SuiteConfig(device=args.device, workloads=tuple(args.workload), ns=tuple(args.n),
-                         engines=tuple(args.engines), model=args.model, dtype=args.dtype, threads=args.threads,
-                         kv_headroom=args.kv_headroom, max_batch_tokens=args.max_batch_tokens,
-                         temperature=args.temperature, seed=args.seed,
-                         time_forwards=not args.device.startswith("cuda") if args.time_forwards is None
-                         else args.time_forwards, profile=args.profile, rounds=args.rounds)  # fmt: skip
-    result = run_suite(config, out, from_logs=args.from_logs)
-    if args.grpo:
-        from cbverify.bench.grpo_step import GrpoConfig, run_grpo
-
-        grpo = GrpoConfig(device=args.device, ns=tuple(args.grpo_n), steps=args.grpo_steps, rounds=args.grpo_rounds,
-                          threads=args.threads, model=args.grpo_model)  # fmt: skip
-        result["grpo"] = run_grpo(grpo, out, from_logs=args.from_logs)
+    try:
+        config, grpo = _configs(args, SuiteConfig, GrpoConfig)
+    except (ValueError, FileNotFoundError) as err:
+        return refuse("bench", err)
+    try:
+        result = run_suite(config, out, from_logs=args.from_logs)
+        if grpo is not None:
+            result["grpo"] = run_grpo(grpo, out, from_logs=args.from_logs)
+    except (FileNotFoundError, ValueError, KeyError, TypeError) as err:
+        if not args.from_logs:
+            raise
+        return refuse("bench", f"--from-logs: the records under {out / 'logs'} cannot be read: {err!r}")
     paths = report.write(result, out)
     print(report.markdown(result))
     print("wrote " + ", ".join(str(p) for p in paths))
@@ -132,3 +136,28 @@ def run(args: argparse.Namespace) -> int:
         print(f"{'FAIL' if args.strict_targets else 'NOTE'}: {len(missed)} target(s) missed: "
               + "; ".join(t["target"] for t in missed))  # fmt: skip
     return 1 if failed or (missed and args.strict_targets) else 0
+
+
+def _configs(args: argparse.Namespace, suite_config: type, grpo_config: type) -> tuple:
+    """The suite's and (with ``--grpo``) the GRPO benchmark's configurations, after the checks no flag type makes: the
+    device exists, the checkpoints named are usable (:func:`cbverify.checkpoint.preflight`), ``--out`` is a folder."""
+    from cbverify.checkpoint import preflight
+
+    if (why := missing_device(args.device)) is not None:
+        raise ValueError(why)
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out}: exists and is not a folder")
+    with held_stderr():
+        if args.model != "random":
+            preflight(args.model)
+        if args.grpo:
+            preflight(args.grpo_model)
+    config = suite_config(device=args.device, workloads=tuple(args.workload), ns=tuple(args.n),
+                          engines=tuple(args.engines), model=args.model, dtype=args.dtype, threads=args.threads,
+                          kv_headroom=args.kv_headroom, max_batch_tokens=args.max_batch_tokens,
+                          temperature=args.temperature, seed=args.seed,
+                          time_forwards=not args.device.startswith("cuda") if args.time_forwards is None
+                          else args.time_forwards, profile=args.profile, rounds=args.rounds)  # fmt: skip
+    grpo = grpo_config(device=args.device, ns=tuple(args.grpo_n), steps=args.grpo_steps, rounds=args.grpo_rounds,
+                       threads=args.threads, model=args.grpo_model) if args.grpo else None  # fmt: skip
+    return config, grpo

@@ -6,6 +6,9 @@ import argparse
 import json
 from pathlib import Path
 
+from cbverify.checkpoint import load_checked
+from cbverify.cli import held_stderr, integer, refuse, seed_type
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -21,11 +24,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="transformers-cb: drive the manager's request API, or call model.generate_batch as TRL does",
     )
     parser.add_argument("--model", default="tiny-llama-arith", help="bundled name or local checkpoint (float32)")
-    parser.add_argument("--examples", type=int, default=50, help="cases to draw (~4 s each for transformers-cb)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--examples", type=integer(1), default=50,
+                        help="cases to draw, >= 1 (~4 s each for transformers-cb)")  # fmt: skip
+    parser.add_argument("--seed", type=seed_type(), default=0, help="Hypothesis seed, in [0, 2**32)")
     parser.add_argument("--out", type=Path, default=None, help="write one repro script + JSON per failure class")
     parser.add_argument("--json", type=Path, default=None, help="also write what was explored and found as JSON")
-    parser.add_argument("--shrink-runs", type=int, default=12, help="re-runs allowed to shrink each failure class")
+    parser.add_argument("--shrink-runs", type=integer(0), default=12,
+                        help="re-runs allowed to shrink each failure class, >= 0")  # fmt: skip
 
 
 def run(args) -> int:
@@ -33,7 +38,6 @@ def run(args) -> int:
 
     from cbverify.fuzz import repro
     from cbverify.fuzz.search import explore, shrink
-    from reference.models import load
 
     if args.engine == "vllm":
         from cbverify.engines import envs
@@ -42,10 +46,16 @@ def run(args) -> int:
             print(f"cbverify fuzz --engine vllm: NOT-APPLICABLE: {why}")
             return 0
     if args.entry == "generate_batch" and args.engine != "transformers-cb":
-        print(f"cbverify fuzz: --entry generate_batch is transformers CB's entry point, not {args.engine}'s")
-        return 2
+        return refuse("fuzz", f"--entry generate_batch is transformers CB's entry point, not {args.engine}'s")
+    for flag, path in (("--json", args.json), ("--out", args.out)):
+        if path is not None and (path.parent.is_file() or (flag == "--json" and path.is_dir())):
+            return refuse("fuzz", f"{flag} {path}: a folder, or inside a file")
     torch.set_num_threads(1)
-    model, _ = load(args.model)
+    try:
+        with held_stderr():
+            model = load_checked(args.model)
+    except (ValueError, FileNotFoundError) as err:
+        return refuse("fuzz", err)
     report = explore(model, args.engine, model_name=args.model, examples=args.examples, seed=args.seed,
                      entry=args.entry)  # fmt: skip
     entry = f" --entry {args.entry}" if args.entry != "manager" else ""

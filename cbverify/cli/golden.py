@@ -7,7 +7,8 @@ and prints, per failure, the case, the engine, the first divergent position and 
 from __future__ import annotations
 
 import argparse
-import sys
+
+from cbverify.cli import device, integer, missing_device, refuse
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -17,10 +18,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     for p in (rec, chk):
         p.add_argument("--case", action="append", default=[], metavar="NAME",
                        help="a case name or a substring of one (repeatable); default: every case")  # fmt: skip
-        p.add_argument("--device", default="cpu", help="torch device; goldens are kept per device class (default cpu)")
+        p.add_argument("--device", type=device, default="cpu",
+                       help="cpu, cuda or cuda:N; goldens are kept per device class (default cpu)")  # fmt: skip
         p.add_argument("--list", action="store_true", help="list the cases for the device and exit")
-        p.add_argument("--threads", type=int, default=2,
-                       help="torch CPU threads (default 2, as CI and the committed CPU goldens)")  # fmt: skip
+        p.add_argument("--threads", type=integer(1, 1024), default=2,
+                       help="torch CPU threads, 1 to 1024 (default 2, as CI and the CPU goldens)")  # fmt: skip
     rec.add_argument("--force", action="store_true", help="overwrite existing records (say why in the commit)")
     chk.add_argument("--engine", action="append", default=None, metavar="NAME",
                      help="check only this engine (repeatable); default: every registered engine")  # fmt: skip
@@ -32,15 +34,13 @@ def run(args: argparse.Namespace) -> int:
 
     from cbverify.golden import cases as golden_cases
 
-    if args.threads < 1:
-        print(f"error: --threads must be >= 1, got {args.threads}", file=sys.stderr)
-        return 2
+    if (why := missing_device(args.device)) is not None:
+        return refuse("golden", why)
     torch.set_num_threads(args.threads)
     try:
         cases = golden_cases.select(args.case, args.device)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except ValueError as err:  # a case that matches nothing
+        return refuse("golden", err)
     if args.list:
         print("\n".join(c.name for c in cases))
         return 0
@@ -55,8 +55,7 @@ def _record(cases: list, args: argparse.Namespace) -> int:
     try:
         written = record(cases, args.device, force=args.force)
     except RecordRefused as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return refuse("golden", err)
     print("\n".join(f"wrote {path}" for path in written))
     return 0
 

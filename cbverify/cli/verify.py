@@ -22,7 +22,8 @@ import torch
 from tqdm import tqdm
 
 from cbverify import report
-from cbverify.checkpoint import Checkpoint, open_checkpoint
+from cbverify.checkpoint import Checkpoint, brief, open_checkpoint
+from cbverify.cli import MAX_SEED, held_stderr, integer, refuse, seed_type
 from cbverify.decisive import render, tally, vacuous
 from cbverify.engines import (
     ENGINE_NAMES,
@@ -68,27 +69,43 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grpo-config", default=None,
                         help="TRL recipe YAML (as `trl grpo --config` reads it) or JSON of GRPOConfig fields: verify "
                         "the sampling config and group size TRL would generate with")  # fmt: skip
-    parser.add_argument("--num-prompts", type=int, default=8,
-                        help="prompts to use (each asked greedy and as a group of samples)")  # fmt: skip
-    parser.add_argument("--group-size", type=int, default=None,
-                        help=f"samples per prompt, each with its own seed (default: the recipe's num_generations, "
-                        f"else {DEFAULT_GROUP_SIZE})")  # fmt: skip
+    parser.add_argument("--num-prompts", type=integer(1), default=8,
+                        help="prompts to use, >= 1 (each asked greedy and as a group of samples)")  # fmt: skip
+    parser.add_argument("--group-size", type=integer(1), default=None,
+                        help=f"samples per prompt, >= 1, each with its own seed (default: the recipe's "
+                        f"num_generations, else {DEFAULT_GROUP_SIZE})")  # fmt: skip
     parser.add_argument("--no-pressure", action="store_true",
                         help="skip the CB engines' second run with a KV cache too small for the workload and a "
                         "token budget below the longest prompt (preemption / eviction, chunked prefill)")  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0, help="seed of the prompt set and of the sampling seeds")
+    parser.add_argument("--seed", type=seed_type(), default=0,
+                        help=f"seed of the prompt set and of the sampling seeds, in [0, {MAX_SEED}]")  # fmt: skip
     parser.add_argument(
         "--max-new-tokens",
-        type=int,
+        type=integer(1),
         default=None,
-        help="completion budget per request (default: the recipe's max_completion_length, else 64)",
+        help="completion budget per request, >= 1 (default: the recipe's max_completion_length, else 64)",
     )
-    parser.add_argument("--dist-samples", type=int, default=200,
-                        help="samples for the own-RNG distribution test (0 skips it)")  # fmt: skip
+    parser.add_argument("--dist-samples", type=dist_samples, default=200,
+                        help=f"samples for the own-RNG distribution test: 0 skips it, else >= "
+                        f"{MIN_DIST_SAMPLES}")  # fmt: skip
     parser.add_argument("--allow-na", action="store_true", help="exit 0 even if an engine is not applicable")
-    parser.add_argument("--threads", type=int, default=None,
-                        help=f"torch CPU threads; default: 1 for models under {SMALL_MODEL_PARAMS:.0e} parameters "
-                        "(per-op threading costs more than tiny matmuls save), else torch's default")  # fmt: skip
+    parser.add_argument("--threads", type=integer(1, MAX_THREADS), default=None,
+                        help=f"torch CPU threads, 1 to {MAX_THREADS}; default: 1 for models under "
+                        f"{SMALL_MODEL_PARAMS:.0e} parameters (per-op threading costs more than tiny matmuls save), "
+                        "else torch's default")  # fmt: skip
+
+
+MIN_DIST_SAMPLES = 50  # the distribution test's minimum node size
+MAX_THREADS = 1024
+
+
+def dist_samples(text: str) -> int:
+    """``--dist-samples``: 0 (skip the test) or at least :data:`MIN_DIST_SAMPLES`."""
+    value = integer(0)(text)
+    if 0 < value < MIN_DIST_SAMPLES:
+        raise argparse.ArgumentTypeError(f"must be 0 (skip) or >= {MIN_DIST_SAMPLES} (the distribution test's "
+                                         f"minimum node size), got {value}")  # fmt: skip
+    return value
 
 
 class _Replay:
@@ -126,13 +143,16 @@ def most_testable(model, requests: list, num_samples: int):
 
 def run(args: argparse.Namespace) -> int:
     try:
-        plan = _prepare(args)
+        with held_stderr():  # a refusal is then the only line on stderr (no loader bar or warning before it)
+            plan = _prepare(args)
     except (ValueError, FileNotFoundError) as err:
-        print(f"cbverify verify: error: {err}", file=sys.stderr)
-        return 2
+        return refuse("verify", err)
     ckpt, model, workload, rollout_config, tier = plan
     requests = list(workload.requests)
-    sampled = most_testable(model, requests, args.dist_samples)
+    try:
+        sampled = most_testable(model, requests, args.dist_samples)
+    except Exception as err:  # the oracle's own forward pass fails on this checkpoint: nothing can be judged
+        return _oracle_fails(args.model, err)
     short = replace(sampled.sampling, max_new_tokens=4)  # a few positions suffice; the nodes thin out fast
     dist = [replace(sampled, request_id="dist", sampling=short)] if args.dist_samples else []
     repro = f"cbverify verify --model {args.model} --dtype {args.dtype} --device {args.device} " \
@@ -148,9 +168,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             reference = ref_engine.generate(requests)
         except Exception as err:  # nothing can be judged without the oracle: say so in one line
-            print(f"cbverify verify: error: the reference oracle cannot run {args.model}: {type(err).__name__}: {err}",
-                  file=sys.stderr)  # fmt: skip
-            return 1
+            return _oracle_fails(args.model, err)
         ref_wall = time.perf_counter() - start
         for name in bar:
             bar.set_postfix_str(name)
@@ -175,22 +193,28 @@ def run(args: argparse.Namespace) -> int:
     print(render(tallies, title="decisiveness over the engines"))
     if empty := vacuous(tallies):
         print(f"FAIL: {len(empty)} check(s) judged no engine (NOT-APPLICABLE on every one): {', '.join(empty)}")
-    if args.json:
-        args.json.write_text(report.to_json(env, rows))
-    if args.markdown:
-        args.markdown.write_text(report.render_markdown(env, rows))
+    for path, render_file in ((args.json, report.to_json), (args.markdown, report.render_markdown)):
+        if path is not None:
+            try:
+                path.write_text(render_file(env, rows))
+            except OSError as err:
+                return refuse("verify", f"cannot write {path}: {brief(err)}")
     ok = all(r.status == "PASS" or r.status.startswith("XFAIL") or (r.status == "N/A" and args.allow_na) for r in rows)
     return 0 if ok and not empty else 1
 
 
+def _oracle_fails(model: str, err: Exception) -> int:
+    """Nothing can be judged without the oracle: say so in one line; exit 1 (the checkpoint loaded, so this is a
+    verdict on it, e.g. weights that give NaN logits, not a refusal of the input)."""
+    print(f"cbverify verify: error: the reference oracle cannot run {model}: {brief(err)}", file=sys.stderr)
+    return 1
+
+
 def _prepare(args: argparse.Namespace):
     """Everything that can be checked before model work, then the checkpoint and the workload."""
-    if min(args.num_prompts, args.max_new_tokens or 1, args.group_size or 1) < 1 or args.dist_samples < 0:
-        raise ValueError("--num-prompts, --group-size and --max-new-tokens must be >= 1, --dist-samples >= 0")
-    if args.dist_samples and args.dist_samples < 50:
-        raise ValueError("--dist-samples must be 0 (skip) or >= 50 (the distribution test's minimum node size)")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError("--threads must be >= 1")
+    for flag, path in (("--json", args.json), ("--markdown", args.markdown)):
+        if path is not None and (path.is_dir() or not path.parent.is_dir()):
+            raise ValueError(f"{flag} {path}: " + ("is a directory" if path.is_dir() else "its folder does not exist"))
     for name in args.engines:
         load_factory(name)  # an unknown name or a plugin that does not import: said before any weights are read
     rollout_config = load_rollout_config(args.grpo_config) if args.grpo_config else None

@@ -16,6 +16,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from cbverify.cli import integer, refuse
 from cbverify.engines import ENGINE_NAMES, LOCAL_ENGINES
 from cbverify.zoo.architectures import ARCHS, by_name
 
@@ -32,17 +33,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "their own, which start a worker per checkpoint)")  # fmt: skip
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="model dtype; the tier follows it (cbverify.tolerances.tier_for)")  # fmt: skip
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (tiny models: 1 is fastest)")
+    parser.add_argument("--threads", type=integer(1, 1024), default=1,
+                        help="torch CPU threads, 1 to 1024 (tiny models: 1 is fastest)")  # fmt: skip
 
 
 def select(names: list[str]) -> tuple[list, list[tuple[str, str]]]:
     """The verified combinations named (a combination, or a family for all of its combinations; none named: all)
-    and the rejected candidates among them; a name that is neither exits with the known families."""
+    and the rejected candidates among them; ``ValueError`` naming the known families for a name that is neither."""
     from cbverify.zoo.combinations import FAMILIES, combinations
 
     known, asked = {f.name for f in FAMILIES}, {n.split("+")[0] for n in names}
     if asked - known:
-        raise SystemExit(f"unknown combination family {sorted(asked - known)}; known: {', '.join(sorted(known))}")
+        raise ValueError(f"unknown combination family {sorted(asked - known)}; known: {', '.join(sorted(known))}")
     kept, rejected = combinations([f for f in FAMILIES if not names or f.name in asked])
     if names:
 
@@ -52,7 +54,7 @@ def select(names: list[str]) -> tuple[list, list[tuple[str, str]]]:
         kept, rejected = [a for a in kept if chosen(a.name)], [r for r in rejected if chosen(r[0])]
         missing = sorted(set(names) - known - {a.name for a in kept})
         if missing:
-            raise SystemExit(f"not a verified combination: {missing}; rejected: {dict(rejected)}")
+            raise ValueError(f"not a verified combination: {missing}; rejected: {dict(rejected)}")
     return kept, rejected
 
 
@@ -65,7 +67,12 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     transformers.utils.logging.disable_progress_bar()  # one line per architecture instead of loader bars
     archs = [by_name(n) for n in args.archs]
-    combos, rejected = select(args.combinations) if args.combinations is not None else ([], [])
+    try:
+        combos, rejected = select(args.combinations) if args.combinations is not None else ([], [])
+    except ValueError as err:
+        return refuse("zoo", err)
+    if args.markdown is not None and (args.markdown.is_dir() or args.markdown.parent.is_file()):
+        return refuse("zoo", f"--markdown {args.markdown}: a folder, or inside a file")
     if combos:
         print(f"{len(combos)} feature combinations ({len(rejected)} candidates rejected)", flush=True)
     with tempfile.TemporaryDirectory(prefix="cbverify-zoo-") as directory:
