@@ -21,7 +21,9 @@ Paths:
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+import weakref
 from dataclasses import asdict, dataclass, field
 
 from reference import tasks
@@ -269,12 +271,32 @@ def _math_args(scenario: TrainerScenario) -> dict:
 
 
 def build_trainer(scenario: TrainerScenario, model, tokenizer, rollout_func=None):
-    """A real TRL trainer for ``scenario`` on ``model`` (trained in place: pass a copy you can spare)."""
+    """A real TRL trainer for ``scenario`` on ``model`` (trained in place: pass a copy you can spare). Its
+    ``output_dir`` (a ``cbverify-trl-*`` temporary folder: the trainer creates it, ``save_strategy="no"`` leaves it
+    empty) is removed when the trainer is garbage-collected or the interpreter exits, or at once by
+    :func:`release_trainer`; when the trainer cannot be built, before the error propagates."""
+    output_dir = tempfile.mkdtemp(prefix="cbverify-trl-")
+    try:
+        trainer = _build_trainer(scenario, model, tokenizer, rollout_func, output_dir)
+    except BaseException:
+        shutil.rmtree(output_dir, ignore_errors=True)
+        raise
+    trainer._cbverify_output_dir = weakref.finalize(trainer, shutil.rmtree, output_dir, ignore_errors=True)
+    return trainer
+
+
+def release_trainer(trainer) -> None:
+    """Remove the output folder :func:`build_trainer` made for ``trainer`` now (the trainer is not used after)."""
+    finalizer = getattr(trainer, "_cbverify_output_dir", None)
+    if finalizer is not None:
+        finalizer()
+
+
+def _build_trainer(scenario: TrainerScenario, model, tokenizer, rollout_func, output_dir: str):
     from cbverify.upstream import trl_compat
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func's "experimental" banner, every run
-    output_dir = tempfile.mkdtemp(prefix="cbverify-trl-")
     args = _common_args(scenario, output_dir)
     dataset = make_dataset(scenario)
     rewards = [REWARDS[name] for name in scenario.reward_names]
