@@ -227,6 +227,9 @@ def run(args: argparse.Namespace) -> int:
     vacuous = payload["vacuous"] if args.path is None else []
     if vacuous:
         print(f"FAIL: {len(vacuous)} check(s) judged no scenario (NOT-APPLICABLE in all): {', '.join(vacuous)}")
+    elif payload["vacuous"]:
+        print(f"note: --path {args.path} runs only part of the scenarios; {', '.join(payload['vacuous'])} judged none "
+              "of them, which fails only a run of every path")  # fmt: skip
     if payload["unexercised"]:
         print(f"FAIL: {len(payload['unexercised'])} scenario(s) did not exercise what they were built for")
     return 0 if all(r["ok"] for r in payload["results"]) and not vacuous and not payload["unexercised"] else 1
