@@ -341,6 +341,8 @@ BOUNDS = [
     (["train"], "--beta", "0", "-1e-9"), (["train"], "--is-clip-max", "1e-9", "0"), (["train"], "--seed", "0", "-1"),
     (["train"], "--threads", "1", "0"),
     (["conformance", "--engines", "cb_impl"], "--examples", "1", "0"),
+    (["matrix"], "--fuzz", "0", "-1"), (["matrix"], "--jobs", "1", "0"), (["matrix"], "--jobs", "256", "257"),
+    (["matrix"], "--timeout", "1", "0"), (["upstream"], "--nproc", "1", "0"), (["upstream"], "--nproc", "64", "65"),
 ]  # fmt: skip
 NOT_FINITE = [(["verify"], "--num-prompts", "x"), (["bench"], "--kv-headroom", "nan"), (["bench"], "--temperature",
               "inf"), (["train"], "--temperature", "nan"), (["train"], "--beta", "inf")]  # fmt: skip
@@ -367,7 +369,7 @@ def test_every_numeric_flag_of_the_owned_subcommands_has_a_bounds_case():
     sub = build_parser()._subparsers._group_actions[0]
     covered = {(c[0], f) for c, f, _, _ in BOUNDS}
     missing = []
-    for name in ("verify", "golden", "zoo", "fuzz", "bench", "train", "conformance"):
+    for name in ("verify", "golden", "zoo", "fuzz", "bench", "train", "conformance", "matrix", "upstream"):
         parsers = [sub.choices[name]]
         if name == "golden":
             parsers = list(next(a for a in parsers[0]._actions if a.choices and "check" in a.choices).choices.values())
@@ -393,3 +395,11 @@ def test_parser_errors_are_one_line_and_main_returns_their_code():
     assert code == 2 and len(err.strip().splitlines()) == 1 and "--dtype" in err and not out
     code, out, _ = run_cli(["--version"])
     assert code == 0 and out.startswith("cbverify ")
+
+
+@pytest.mark.parametrize("trl", ["0.28.0", "0.14.0"])
+def test_matrix_refuses_a_trl_release_below_the_layers_floor_in_one_line(trl):
+    """Nothing is built: the refusal comes before any venv, naming why those releases are out of reach."""
+    code, out, err = run_cli(["matrix", "--trl", trl])
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and f"trl {trl} is before" in lines[0] and not out, (code, out, lines)

@@ -23,7 +23,6 @@ tensor; the strategy draws them float32-representable, so no rounding happens th
 from __future__ import annotations
 
 import contextlib
-import tempfile
 from unittest import mock
 
 import pytest
@@ -66,7 +65,7 @@ def _not_drawn() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def trainer():
+def trainer(tmp_path_factory):
     """A minimal GRPOTrainer. It owns a *private* model copy: TRL patches the model's forward (fused LM head)."""
     import trl
     from datasets import Dataset
@@ -83,7 +82,7 @@ def trainer():
         SUMMARY.append(f"reference vs trl {trl.__version__}: not drawn on this release: {'; '.join(not_drawn)}")
     model, tokenizer = load("tiny-llama-arith")
     args = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="cbverify-trl-"), report_to="none", use_cpu=True,
+        output_dir=str(tmp_path_factory.mktemp("trl-output")), report_to="none", use_cpu=True,
         per_device_train_batch_size=2, num_generations=2, max_completion_length=8, logging_strategy="no",
         save_strategy="no", gradient_accumulation_steps=1,
     )  # fmt: skip

@@ -67,7 +67,7 @@ def run(args) -> int:
     for cls in report.classes.values():
         if args.out is not None:
             cls = shrink(model, cls, budget=args.shrink_runs)
-        verdict = f"XFAIL({cls.finding})" if cls.finding else "FAIL"
+        verdict = cls.verdict
         print(f"  {verdict:45s} {cls.check}: {cls.examples} times; e.g. {cls.detail[:160]}")
         if args.out is not None:
             for path in repro.write(args.out, cls.case, cls.check, cls.detail, cls.finding):
@@ -76,9 +76,10 @@ def run(args) -> int:
         print("  no failures")
     print(f"total {report.seconds:.1f}s; {len(report.unregistered)} unregistered failure classes")
     if args.json is not None:
-        classes = [{"check": c.check, "finding": c.finding, "examples": c.examples, "detail": c.detail[:300]}
-                   for c in report.classes.values()]  # fmt: skip
-        payload = {"engine": args.engine, "entry": args.entry, "examples": report.examples,
+        classes = [{"check": c.check, "finding": c.finding, "not": c.why or None, "examples": c.examples,
+                    "detail": c.detail[:300]} for c in report.classes.values()]  # fmt: skip
+        payload = {"versions": repro.versions(), "engine": args.engine, "entry": args.entry,
+                   "examples": report.examples,
                    "seconds": round(report.seconds, 1), "explored": dict(report.explored), "classes": classes,
                    "decisive": dict(report.decisive), "failed": dict(report.failed)}  # fmt: skip
         args.json.write_text(json.dumps(payload, indent=2))

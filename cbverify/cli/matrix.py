@@ -12,6 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from cbverify.cli import integer, refuse
 from cbverify.data import workdir
 from cbverify.upstream.matrix import combo_name, ensure_base, ensure_venv, minor_releases
 from cbverify.upstream.matrix_checks import install_failed, render_markdown, render_text, run_combo, table
@@ -42,9 +43,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--random-model", action="store_true", help="--model's architecture with seeded random weights"
     )
     parser.add_argument("--path", choices=("generate", "cb", "rollout_func"), help="only scenarios on this path")
-    parser.add_argument("--fuzz", type=int, default=0, metavar="N", help="also run N fuzz examples of transformers-cb")
-    parser.add_argument("--jobs", type=int, default=1, help="combinations checked at once (each uses ~1 core)")
-    parser.add_argument("--timeout", type=int, default=3600, help="seconds allowed per step of a combination")
+    parser.add_argument("--fuzz", type=integer(0), default=0, metavar="N",
+                        help="also run N fuzz examples of transformers-cb")  # fmt: skip
+    parser.add_argument("--jobs", type=integer(1, 256), default=1,
+                        help="combinations checked at once (each uses ~1 core)")  # fmt: skip
+    parser.add_argument("--timeout", type=integer(1), default=3600, help="seconds allowed per step of a combination")
 
 
 def _below_trl_floor(versions: list[str]) -> str | None:
@@ -71,11 +74,10 @@ def run(args: argparse.Namespace) -> int:
 
     versions = list(args.transformers) + (minor_releases("transformers", args.all_minors) if args.all_minors else [])
     if problem := _below_trl_floor([*args.trl, *([args.all_trl_minors] if args.all_trl_minors else [])]):
-        print(f"cbverify matrix: error: {problem}")
-        return 2
+        return refuse("matrix", problem)
     trls = list(args.trl) + (minor_releases("trl", args.all_trl_minors) if args.all_trl_minors else [])
     if not versions and not trls:
-        raise SystemExit("cbverify matrix: give --transformers / --all-minors and/or --trl / --all-trl-minors")
+        return refuse("matrix", "give --transformers / --all-minors and/or --trl / --all-trl-minors")
     combos = [
         (t, r) for t in dict.fromkeys(versions or [transformers.__version__]) for r in dict.fromkeys(trls or [None])
     ]
@@ -84,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     with (args.out / "base.log").open("w") as log:
         base = ensure_base(args.venv_dir, log)
     if isinstance(base, str):
-        raise SystemExit(f"cbverify matrix: {base}")
+        return refuse("matrix", f"cannot build the shared torch venv: {base}")
     bar = tqdm(total=len(combos), desc="matrix", unit="combo")
 
     def one(combo: tuple[str, str | None]) -> tuple[str, dict | str, float]:

@@ -23,6 +23,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from cbverify.cli import integer
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", action="store_true", help="run the upstream checks (default: only list findings)")
@@ -40,7 +42,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--nproc",
-        type=int,
+        type=integer(1, 64),
         default=1,
         help="data-parallel CPU processes (torch.distributed, gloo): >1 runs the multi-process scenarios, each also "
         "on one process for comparison (cbverify.upstream.distributed)",

@@ -48,7 +48,7 @@ class RemoteEngine:
         **options,
     ) -> None:
         self.name, self.timeout_s = name or engine, timeout_s
-        self._proc, self._tmp = None, None  # what close() releases, set before anything can fail
+        self._proc, self._tmp, self.log_path = None, None, None  # what close() releases, set before anything fails
         if env is not None and (why := envs.problem(env)) is not None:
             raise NotApplicable(engine, why)
         python = sys.executable if env is None else str(envs.python(env))
@@ -73,7 +73,9 @@ class RemoteEngine:
         self.last_run: RunStats | None = None
 
     def _log_tail(self, lines: int = 15) -> str:
-        text = self.log_path.read_text(errors="replace").splitlines() if self.log_path.exists() else []
+        text = (
+            self.log_path.read_text(errors="replace").splitlines() if self.log_path and self.log_path.exists() else []
+        )
         return "\n".join(text[-lines:])
 
     def _call(self, message: dict) -> dict:
@@ -117,6 +119,9 @@ class RemoteEngine:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+        if self.log_path is not None:  # its tail is in every error raised before this
+            self.log_path.unlink(missing_ok=True)
+            self.log_path = None
 
     def __del__(self) -> None:
         self.close()

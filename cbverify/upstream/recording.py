@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cbverify.upstream import trl_compat
-from cbverify.upstream.scenario import TrainerScenario, build_trainer
+from cbverify.upstream.scenario import TrainerScenario, build_trainer, release_trainer
 
 
 @dataclass
@@ -166,4 +166,6 @@ def record_run(scenario: TrainerScenario, model, tokenizer, prepare: Callable[[o
             trainer.train()
         except Exception as err:  # a crash is a result: step_run_completes reports it
             record.error = err
+        finally:
+            release_trainer(trainer)
     return record

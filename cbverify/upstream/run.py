@@ -26,7 +26,7 @@ import torch
 from cbverify.upstream import trl_compat
 from cbverify.upstream.capture import Capture, install
 from cbverify.upstream.rollout import make_rollout_func
-from cbverify.upstream.scenario import TrainerScenario, build_trainer
+from cbverify.upstream.scenario import TrainerScenario, build_trainer, release_trainer
 
 VLLM_ELSEWHERE = (
     "vLLM is not installed in this environment: `cbverify upstream --run --path vllm` runs the vllm path in the vllm "
@@ -151,6 +151,8 @@ def run_scenario(scenario: TrainerScenario, model, tokenizer, callbacks: tuple =
             if folder is not None:
                 _release_vllm(trainer)
                 folder.cleanup()
+            if trainer is not None:
+                release_trainer(trainer)  # its output folder, now (the capture keeps what the checks need)
     return capture
 
 

@@ -29,8 +29,9 @@ _HERE = Path(__file__).resolve()  # a checkout's golden/models, or an installed 
 _MODELS = (_HERE.parents[3] / "golden" / "models", _HERE.parents[2] / "reference" / "_models")
 MODEL = next((m for m in _MODELS if m.is_dir()), _MODELS[0]) / "tiny-llama-arith"
 
+_OUT = tempfile.TemporaryDirectory(prefix="cbverify-repro-")  # removed when the script exits
 args = GRPOConfig(
-    output_dir=tempfile.mkdtemp(), report_to="none", use_cpu=True, per_device_train_batch_size=2, num_generations=2,
+    output_dir=_OUT.name, report_to="none", use_cpu=True, per_device_train_batch_size=2, num_generations=2,
     steps_per_generation=2, gradient_accumulation_steps=1, max_completion_length=4, save_strategy="no",
     logging_strategy="no", loss_type="dapo",
 )  # fmt: skip

@@ -28,8 +28,9 @@ def reward(completions, **_):
     return [None if i % 3 == 2 else float(i % 3) for i in range(len(completions))]
 
 
+_OUT = tempfile.TemporaryDirectory(prefix="cbverify-repro-")  # removed when the script exits
 args = GRPOConfig(
-    output_dir=tempfile.mkdtemp(), report_to="none", use_cpu=True, per_device_train_batch_size=6, num_generations=3,
+    output_dir=_OUT.name, report_to="none", use_cpu=True, per_device_train_batch_size=6, num_generations=3,
     max_completion_length=4, save_strategy="no", logging_strategy="no", disable_tqdm=True,
 )  # fmt: skip
 prompts = [{"prompt": "Q:1+2\n"}, {"prompt": "Q:3+4\n"}]

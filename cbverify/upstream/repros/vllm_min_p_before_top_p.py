@@ -43,7 +43,8 @@ config = AutoConfig.from_pretrained(CONFIG)
 config.initializer_range = 0.14
 torch.manual_seed(0)
 model = AutoModelForCausalLM.from_config(config).eval()
-folder = tempfile.mkdtemp()
+_OUT = tempfile.TemporaryDirectory(prefix="cbverify-repro-")  # removed when the script exits
+folder = _OUT.name
 model.save_pretrained(folder)
 
 llm = LLM(model=folder, dtype="float32", gpu_memory_utilization=0.1, enforce_eager=True, skip_tokenizer_init=True,
