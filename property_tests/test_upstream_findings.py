@@ -177,9 +177,9 @@ def test_a_second_fault_in_the_loss_under_the_dapo_findings_configuration_is_rep
 
 
 def test_the_logged_reward_check_fails_on_unweighted_statistics_and_its_finding_predicts_only_those(llama):
-    """The logged-reward check PASSes on a trainer outside the finding's range; the logged reward and reward_std replaced by the
-    unweighted sums' statistics (what trl before 1.0 logs) FAIL it and match the finding's model, and any other
-    wrong value FAILs it outside the model."""
+    """The logged-reward check PASSes on a trainer outside the finding's range; the logged reward and reward_std
+    replaced by the unweighted sums' statistics (what trl before 1.0 logs) FAIL it and match the finding's model, and
+    any other wrong value FAILs it outside the model."""
     from dataclasses import replace
 
     finding = by_id("logged-reward-ignores-reward-weights")
