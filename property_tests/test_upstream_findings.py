@@ -13,8 +13,10 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from cbverify.upstream.findings import FAIL, FINDINGS, NA, SCRIPTS, Finding, by_id, explaining
+from cbverify.upstream.findings import FAIL, FINDINGS, NA, SCRIPTS, CheckResult, Finding, by_id, explaining
 from cbverify.upstream.recording import record_run
 from cbverify.upstream.steps import check_steps
 from cbverify.upstream.suite import DEFAULT_SCENARIOS, check_scenario, greedy_agreement, judge
@@ -49,6 +51,11 @@ def _results(scenario, model_and_tokenizer, step_checks: bool = False):
 
 
 def _finding_results(finding: Finding, models: dict):
+    if finding.repro.nproc > 1:  # its processes launched as `cbverify upstream --run --nproc N` launches them
+        from cbverify.upstream.distributed import run_distributed
+
+        model = models[finding.repro_model][0]
+        return [r for _, r in run_distributed([finding.repro], finding.repro_model, model, progress=False)[0]]
     return _results(finding.repro, models[finding.repro_model], step_checks=finding.step_checks)
 
 
@@ -207,3 +214,31 @@ def _unweighted_stats(finding, record) -> tuple[float, float]:
     recorded per-function rewards (not from the reference's)."""
     totals = record.generations[0].rewards_per_func.double().sum(dim=1)
     return float(totals.mean()), float(totals.std())
+
+
+@given(
+    means=st.lists(st.floats(0.1, 5.0), min_size=2, max_size=4),
+    tokens=st.lists(st.integers(1, 40), min_size=2, max_size=4),
+)
+def test_the_logged_entropy_finding_predicts_the_mean_of_rank_means_and_nothing_else(means, tokens):
+    """What trl before 1.9 logs on N processes, the plain mean of the ranks' token means, is excused where the ranks
+    hold unequal token counts; the global batch's token mean (what one process logs), or the same mean where the
+    counts are equal, is not this failure."""
+    n = min(len(means), len(tokens))
+    means, tokens = means[:n], tokens[:n]
+    finding = by_id("logged-entropy-is-a-mean-of-rank-means")
+    prediction = finding.predicts["ranks_log_what_one_process_logs"]
+    plain, weighted = sum(means) / n, sum(m * t for m, t in zip(means, tokens, strict=True)) / sum(tokens)
+
+    def failed(logged: float) -> CheckResult:
+        seen = (("logged", (logged,)), ("single_process", (weighted,)), ("rank_means", tuple(means)),
+                ("rank_tokens", tuple(float(t) for t in tokens)))  # fmt: skip
+        reason = f"log 0: entropy = {logged:.6g} on {n} processes, {weighted:.6g} on one"
+        return CheckResult("ranks_log_what_one_process_logs", "rollout_func", FAIL, reason, "", seen)
+
+    unequal = len(set(tokens)) > 1
+    assert (prediction.mismatch(failed(plain), finding.repro) is None) == unequal
+    if abs(plain - weighted) > 1e-3 * abs(weighted) + 1e-6:
+        assert prediction.mismatch(failed(weighted), finding.repro) is not None
+    other = CheckResult("ranks_log_what_one_process_logs", "rollout_func", FAIL, "log 0: kl = 1 on 2 processes, 2")
+    assert prediction.mismatch(other, finding.repro) is not None

@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 
 from cbverify.cli import upstream
 from cbverify.upstream import matrix_checks as matrix
+from cbverify.upstream.distributed import DISTRIBUTED_SCENARIOS
 from cbverify.upstream.findings import FAIL, FINDINGS, NA, PASS, SCRIPTS, CheckResult, by_id, flat_groups_seen
+from cbverify.upstream.rank_checks import RANK_CHECKS
 from cbverify.upstream.scenario import PATHS, TrainerScenario
 from cbverify.upstream.steps import CHECKS as STEP_CHECKS
 from cbverify.upstream.suite import CHECKS, DEFAULT_SCENARIOS, VLLM_SCENARIOS, judge
@@ -26,15 +28,16 @@ def test_every_finding_names_known_checks_a_path_and_one_line_of_evidence():
     ids = [f.id for f in FINDINGS]
     assert len(ids) == len(set(ids)), "finding ids must be unique"
     for f in FINDINGS:
-        known = set(STEP_CHECKS) if f.step_checks else set(CHECKS)
+        known = set(STEP_CHECKS) if f.step_checks else set(CHECKS) | set(RANK_CHECKS)
         assert set(f.checks) & known, f"{f.id}: its repro runs none of {f.checks}"
-        unknown = set(f.checks) - set(CHECKS) - set(STEP_CHECKS)
+        unknown = set(f.checks) - set(CHECKS) - set(STEP_CHECKS) - set(RANK_CHECKS)
         assert not unknown, f"{f.id}: unknown checks {unknown}"
         assert f.path in (*PATHS, "*"), f.id
         assert f.evidence and "\n" not in f.evidence and f.affected, f.id
         assert f.applies(f.repro), f"{f.id}: its own repro scenario does not meet its condition"
-        # `upstream --run` replays the default scenarios; the step checks' findings are replayed by their own tests
-        runs_it = f.step_checks or f.repro in (*DEFAULT_SCENARIOS, *VLLM_SCENARIOS)
+        # `upstream --run` (--nproc 2) replays the default (multi-process) scenarios; the step checks' findings are
+        # replayed by their own tests
+        runs_it = f.step_checks or f.repro in (*DEFAULT_SCENARIOS, *VLLM_SCENARIOS, *DISTRIBUTED_SCENARIOS)
         assert f.data_dependent or runs_it, f"{f.id}: repro not a default"
         assert not f.script or (SCRIPTS / f.script).is_file(), f"{f.id}: no script {f.script}"
 

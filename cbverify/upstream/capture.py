@@ -82,6 +82,7 @@ class LossRecord:
     loss: float
     accumulation_steps: int
     logps_grad: list[torch.Tensor] = field(default_factory=list)  # d(loss)/d(per_token_logps), filled by backward
+    entropies: torch.Tensor | None = None  # (B, T) the trainer's per-token entropies, where it computed them
 
 
 @dataclass
@@ -170,11 +171,14 @@ def _wrap_loss(trainer, capture: Capture) -> None:
 
     def loss(model, inputs):
         seen: list[torch.Tensor] = []
+        entropies: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
 
         def logps(*args, **kwargs):
             out = original_logps(*args, **kwargs)
             seen.append(out[0].detach().clone())
+            if len(out) > 1 and isinstance(out[1], torch.Tensor):
+                entropies.append(out[1].detach().clone())
             if out[0].requires_grad:  # the backward pass TRL runs later hands us dL/dlogps
                 out[0].register_hook(lambda g: grads.append(g.detach().clone()))
             return out
@@ -195,7 +199,7 @@ def _wrap_loss(trainer, capture: Capture) -> None:
                 inputs={k: _detach(v) for k, v in inputs.items()},
                 per_token_logps=seen[0], reference_logps=[r.cpu() for r in ref], loss=float(value.detach()),
                 accumulation_steps=int(getattr(trainer, "current_gradient_accumulation_steps", 1) or 1),
-                logps_grad=grads,
+                logps_grad=grads, entropies=entropies[0] if entropies else None,
             )
         )  # fmt: skip
         return value

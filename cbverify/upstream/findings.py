@@ -27,6 +27,7 @@ from cbverify.upstream.predictions import (
     dapo_gradient,
     dapo_losses,
     float32_mean_rounding,
+    mean_of_rank_means,
     unscorable_as_zero,
     unweighted_logged_reward,
 )
@@ -359,6 +360,40 @@ FINDINGS: tuple[Finding, ...] = (
         repro_model="tiny-llama-arith",
         script="unscorable_completion_scored_as_zero.py",
         predicts={"advantages_match_reference": Prediction(r"advantages .* != reference", unscorable_as_zero)},
+    ),
+    Finding(
+        id="logged-entropy-is-a-mean-of-rank-means",
+        checks=("ranks_log_what_one_process_logs",),
+        path="*",
+        when="more than one process (cbverify upstream --run --nproc 2), the ranks holding unequal token counts",
+        applies=lambda s: s.nproc > 1,
+        affected="transformers 5.24.0 + trl 0.29.1 and 1.8.0 (cbverify upstream --run --nproc 2 in each); trl 1.9.0 "
+        "logs the global batch's token mean (global_masked_mean)",
+        evidence="GRPOTrainer logs entropy as accelerator.gather(masked_batch_mean(entropies)).nanmean(), the plain "
+        "mean of each process's token mean: with truncated rows masked, ranks training on 1 and 3 completion tokens "
+        "log 3.43731 on 2 processes where one process with the same global batch logs 3.43611, the batch's token "
+        "mean; the logged value is the mean of the two ranks' means",
+        repro=TrainerScenario(
+            path="rollout_func",
+            rollout_backend="reference",
+            nproc=2,
+            num_generations=4,
+            num_prompts=1,
+            per_device_train_batch_size=2,
+            top_k=0,
+            reward="length",
+            max_completion_length=12,
+            max_grad_norm=0.0,
+            random_weights=True,
+            mask_truncated_completions=True,
+        ),
+        repro_model="tiny-llama-arith",
+        trl="<1.9",
+        predicts={
+            "ranks_log_what_one_process_logs": Prediction(
+                r"log \d+: entropy = \S+ on \d+ processes", mean_of_rank_means
+            )
+        },
     ),
     Finding(
         id="logged-reward-ignores-reward-weights",

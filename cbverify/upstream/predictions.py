@@ -73,6 +73,23 @@ def float32_mean_rounding(scenario, seen: dict) -> str | None:
     return None
 
 
+def mean_of_rank_means(scenario, seen: dict) -> str | None:
+    """TRL before 1.9 logs a token mean (``entropy``) as ``gather(each rank's masked token mean).nanmean()``: the
+    plain mean of the ranks' means, which differs from the global batch's token mean when the ranks hold unequal token
+    counts. The logged value is that mean of the ranks' own means (within the trainer-metric tolerance)."""
+    from cbverify.tolerances import TRAINER_METRIC
+
+    logged, means, tokens = seen.get("logged"), seen.get("rank_means"), seen.get("rank_tokens")
+    if not (logged and means and tokens):
+        return "the check observed no per-rank token means to compare with"
+    predicted = sum(means) / len(means)
+    if abs(logged[0] - predicted) > TRAINER_METRIC.atol + TRAINER_METRIC.rtol * abs(predicted):
+        return f"logged {logged[0]:.6g} is not the mean of the ranks' means {predicted:.6g}"
+    if len(set(tokens)) == 1:
+        return "the ranks hold equal token counts: the mean of their means is the global mean, not this failure"
+    return None
+
+
 def unscorable_as_zero(scenario, seen: dict) -> str | None:
     """TRL before 1.6 sums reward functions with nansum: an unscorable (NaN) reward counts as 0 in its group's
     statistics and gets an advantage; the advantages are the reference's for the rewards with NaN made 0."""

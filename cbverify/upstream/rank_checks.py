@@ -258,6 +258,24 @@ def _same_logs(scenario: TrainerScenario, run: Launch, one: Launch) -> CheckResu
                 return _result(check, scenario, FAIL, f"log {k}: {key} logged by one process, not by {run.nproc}")
             compared += 1
             if abs(got - want) > TRAINER_METRIC.atol + TRAINER_METRIC.rtol * abs(want):
+                seen = [("logged", (got,)), ("single_process", (want,)), *_rank_token_means(run, k, key)]
                 return _result(check, scenario, FAIL, f"log {k}: {key} = {got:.6g} on {run.nproc} processes, "
-                               f"{want:.6g} on one")  # fmt: skip
+                               f"{want:.6g} on one", seen)  # fmt: skip
     return _result(check, scenario, PASS, f"{compared} logged numbers equal the single process's")
+
+
+def _rank_token_means(run: Launch, step: int, key: str) -> list[tuple[str, tuple[float, ...]]]:
+    """For a logged token mean (``entropy``): each rank's own token mean at ``step`` (its training loss call's
+    per-token values over its completion mask) and its token count, for a finding's model of how the ranks' means
+    were combined; nothing where the rank's trainer did not give the values or ran more than one call per step."""
+    if key != "entropy":
+        return []
+    means, counts = [], []
+    for record in run.ranks:
+        calls = [c for c in record["capture"].losses if c.mode == "train"]
+        if len(calls) != sum(key in log for log in record["logs"]) or calls[step].entropies is None:
+            return []
+        mask = calls[step].inputs["completion_mask"].double()
+        counts.append(float(mask.sum()))
+        means.append(float((calls[step].entropies.double() * mask).sum()) / max(counts[-1], 1.0))
+    return [("rank_means", tuple(means)), ("rank_tokens", tuple(counts))]
