@@ -128,6 +128,14 @@ def test_the_recorder_refuses_a_dirty_tree(monkeypatch, tmp_path):
         record([_case("tiny-llama-arith.float32.greedy")], root=tmp_path)
 
 
+def test_an_installed_cbverify_refuses_to_record_into_its_own_package(monkeypatch):
+    from cbverify import data
+
+    monkeypatch.setattr(data, "checkout", lambda: None)  # what an installed package sees
+    with pytest.raises(RecordRefused, match="needs a checkout of the cbverify repository"):
+        record([_case("tiny-llama-arith.float32.greedy")])
+
+
 def test_the_recorder_refuses_to_overwrite_without_force(tmp_path):
     case = _case("tiny-llama-arith.float32.greedy")
     target = golden_cases.record_path(case, "cpu", tmp_path)

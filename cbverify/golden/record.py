@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from cbverify import data
 from cbverify.golden import env as golden_env
 from cbverify.golden.cases import RECORDS_DIR, GoldenCase, record_path
 from reference import generate as ref_generate
@@ -148,6 +149,9 @@ def record(
     root: Path = RECORDS_DIR,
 ) -> list[Path]:
     """Write one record per case (see the module contract); returns the paths written."""
+    if root == RECORDS_DIR and data.checkout() is None:
+        raise RecordRefused("recording goldens needs a checkout of the cbverify repository (git clone): the records "
+                            "live in its golden/records and name the commit that made them")  # fmt: skip
     if require_clean:
         dirty = golden_env.git_dirty_paths(ignore=(RECORDS_PREFIX,))
         if dirty:
