@@ -177,7 +177,7 @@ checkpoint_corruptions = st.lists(
 )
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(corruptions=checkpoint_corruptions)
 def test_a_corrupted_checkpoint_is_refused_in_one_line_or_verified(corruptions):
     with tempfile.TemporaryDirectory(prefix="cbverify-test-ckpt-") as tmp:
@@ -257,7 +257,7 @@ def recipe_files(draw) -> tuple[str, bytes]:
     return (".json" if as_json else ".yaml"), _damage(draw, data) if kind == "bytes" else data
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(prompts=prompt_files(), recipe=recipe_files(), which=st.sampled_from(["prompts", "recipe", "both"]))
 def test_corrupted_prompts_and_recipes_are_refused_in_one_line_or_verified(prompts, recipe, which):
     with tempfile.TemporaryDirectory(prefix="cbverify-test-inputs-") as tmp:
