@@ -182,6 +182,7 @@ def _assert_fresh_processes_agree(names: list[str], tmp_path: Path) -> None:
         assert _strip_volatile(a) == _strip_volatile(b), f"{a.name} differs between two fresh recording processes"
 
 
+@pytest.mark.slow  # ~20 s; the slow tier records every CPU case twice too
 def test_recording_a_case_twice_in_fresh_processes_gives_identical_files(tmp_path):
     _assert_fresh_processes_agree(["tiny-qwen2-random.float32.sampled"], tmp_path)
 
