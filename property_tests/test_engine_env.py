@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -124,3 +125,8 @@ def test_a_worker_that_does_not_answer_in_time_is_killed_and_reported(llama, mon
     with pytest.raises(EngineError, match="no answer to 'generate' within 3 s"):
         engine.generate([])
     assert engine._proc.poll() is not None, "the hung worker is still running"
+    # closing it leaves nothing in the temporary folder: neither the checkpoint saved for the worker nor its log
+    saved, log = Path(engine._tmp.name), engine.log_path
+    assert saved.is_dir() and log.is_file()
+    engine.close()
+    assert not saved.exists() and not log.exists()

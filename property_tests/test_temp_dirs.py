@@ -85,14 +85,3 @@ def test_cli_commands_leave_nothing_in_the_temporary_folder(private_tmp, tmp_pat
     assert main([*argv[:-4], "--grpo-config", str(tmp_path / "bad.yaml")]) == 2
     assert left_behind(private_tmp) == []
     assert os.listdir(workdir) == []
-
-
-def test_an_engine_served_by_a_worker_process_leaves_neither_its_checkpoint_nor_its_log(private_tmp, llama):
-    """A remote engine (how vLLM runs, in its own venv) saves the model for its worker and logs the worker's stderr
-    to a file whose tail goes into every error; closing it removes both."""
-    from cbverify.engines.remote import RemoteEngine
-
-    engine = RemoteEngine(llama.model, engine="reference", env=None, timeout_s=300)
-    assert engine.generate([]) == [] and os.listdir(private_tmp) != []
-    engine.close()
-    assert left_behind(private_tmp) == []

@@ -72,10 +72,14 @@ def run(args: argparse.Namespace) -> int:
     import transformers
     from tqdm import tqdm
 
-    versions = list(args.transformers) + (minor_releases("transformers", args.all_minors) if args.all_minors else [])
     if problem := _below_trl_floor([*args.trl, *([args.all_trl_minors] if args.all_trl_minors else [])]):
         return refuse("matrix", problem)
-    trls = list(args.trl) + (minor_releases("trl", args.all_trl_minors) if args.all_trl_minors else [])
+    try:  # the package index lists the releases (pip index versions): unreachable, it is one line
+        versions = list(args.transformers) + (minor_releases("transformers", args.all_minors) if args.all_minors
+                                              else [])  # fmt: skip
+        trls = list(args.trl) + (minor_releases("trl", args.all_trl_minors) if args.all_trl_minors else [])
+    except RuntimeError as err:
+        return refuse("matrix", err)
     if not versions and not trls:
         return refuse("matrix", "give --transformers / --all-minors and/or --trl / --all-trl-minors")
     combos = [
