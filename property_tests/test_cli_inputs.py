@@ -403,3 +403,19 @@ def test_matrix_refuses_a_trl_release_below_the_layers_floor_in_one_line(trl):
     code, out, err = run_cli(["matrix", "--trl", trl])
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and f"trl {trl} is before" in lines[0] and not out, (code, out, lines)
+
+
+def test_an_installer_that_cannot_be_honoured_is_refused_before_anything_is_built(monkeypatch):
+    from cbverify import install
+
+    monkeypatch.setenv("CBVERIFY_INSTALLER", "conda")
+    code, out, err = run_cli(["matrix", "--trl", "1.8.0"])
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "CBVERIFY_INSTALLER='conda'" in lines[0] and not out, (code, lines)
+    monkeypatch.setenv("CBVERIFY_INSTALLER", "pip")
+    assert install.installer() == "pip"
+    assert install.command(Path("py"), "uninstall", "x")[-3:] == ["--quiet", "-y", "x"]
+    monkeypatch.setenv("CBVERIFY_INSTALLER", "uv")
+    monkeypatch.setattr(install, "uv_executable", lambda: None)
+    with pytest.raises(ValueError, match="no uv executable"):
+        install.installer()

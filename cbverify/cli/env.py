@@ -20,7 +20,7 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "build":
         try:
             envs.build(args.name)
-        except RuntimeError as err:
+        except (RuntimeError, ValueError) as err:  # a failed step, or a CBVERIFY_INSTALLER that cannot be honoured
             print(f"cbverify env build: error: {err}", file=sys.stderr)
             return 1
         return 0

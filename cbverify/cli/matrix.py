@@ -12,6 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from cbverify import install
 from cbverify.cli import integer, refuse
 from cbverify.data import workdir
 from cbverify.upstream.matrix import combo_name, ensure_base, ensure_venv, minor_releases
@@ -74,6 +75,10 @@ def run(args: argparse.Namespace) -> int:
 
     if problem := _below_trl_floor([*args.trl, *([args.all_trl_minors] if args.all_trl_minors else [])]):
         return refuse("matrix", problem)
+    try:
+        install.installer()  # a CBVERIFY_INSTALLER that cannot be honoured, before anything is built
+    except ValueError as err:
+        return refuse("matrix", err)
     try:  # the package index lists the releases (pip index versions): unreachable, it is one line
         versions = list(args.transformers) + (minor_releases("transformers", args.all_minors) if args.all_minors
                                               else [])  # fmt: skip
