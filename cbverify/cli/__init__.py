@@ -112,6 +112,25 @@ def refuse(command: str, err: BaseException | str) -> int:
     return 2
 
 
+def ray_option(parser: argparse.ArgumentParser, units: str) -> None:
+    """The ``--ray`` flag of a command whose ``units`` can run as a campaign (:mod:`cbverify.campaign`)."""
+    parser.add_argument("--ray", metavar="ADDRESS", default=None,
+                        help=f"run the {units} as Ray tasks: 'auto' starts a local Ray instance, else the address of "
+                        "a running cluster (needs pip install 'cbverify[ray]'; see docs/campaigns.md)")  # fmt: skip
+
+
+def ray_backend(command: str, address: str):
+    """The connected Ray backend for ``--ray ADDRESS``, or :func:`refuse`'s exit code 2 with one line when Ray is
+    not installed or the cluster cannot be reached."""
+    from cbverify.campaign.core import RayUnavailable
+    from cbverify.campaign.ray_backend import connect
+
+    try:
+        return connect(address)
+    except RayUnavailable as err:
+        return refuse(command, err)
+
+
 @contextlib.contextmanager
 def held_stderr() -> Iterator[None]:
     """Hold everything written to stderr while the block runs (progress bars, warnings, library log lines, through

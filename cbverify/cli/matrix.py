@@ -7,16 +7,17 @@ transformers, ``--transformers 5.9.0`` alone beside the pinned trl."""
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from cbverify import install
-from cbverify.cli import integer, refuse
+from cbverify.cli import integer, ray_backend, ray_option, refuse
 from cbverify.data import workdir
 from cbverify.upstream.matrix import combo_name, ensure_base, ensure_venv, minor_releases
-from cbverify.upstream.matrix_checks import install_failed, render_markdown, render_text, run_combo, table
+from cbverify.upstream.matrix_checks import install_failed, run_combo, write_report
+
+STEPS = ("upstream", "pytest", "verify")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -34,8 +35,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--venv-dir",
         type=Path,
-        default=workdir("matrix-venvs"),
-        help="where the cached venvs live (default: %(default)s)",
+        default=None,
+        help=f"where the cached venvs live, on every node that runs a combination (default: {workdir('matrix-venvs')}"
+        ", or that node's own checkout or user cache)",
     )
     parser.add_argument("--out", type=Path, default=workdir("matrix-venvs") / "results",
                         help="folder for JSON/Markdown/log output (default: %(default)s)")  # fmt: skip
@@ -49,6 +51,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", type=integer(1, 256), default=1,
                         help="combinations checked at once (each uses ~1 core)")  # fmt: skip
     parser.add_argument("--timeout", type=integer(1), default=3600, help="seconds allowed per step of a combination")
+    parser.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS),
+                        help="the steps run in each venv (default: all; the venv row is always there)")  # fmt: skip
+    ray_option(parser, "combinations")
 
 
 def _below_trl_floor(versions: list[str]) -> str | None:
@@ -90,8 +95,14 @@ def run(args: argparse.Namespace) -> int:
     combos = [
         (t, r) for t in dict.fromkeys(versions or [transformers.__version__]) for r in dict.fromkeys(trls or [None])
     ]
-    args.venv_dir.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.ray is not None:
+        from cbverify.campaign import matrix as campaign
+
+        backend = ray_backend("matrix", args.ray)
+        return backend if isinstance(backend, int) else campaign.run(args, combos, backend)
+    args.venv_dir = args.venv_dir or workdir("matrix-venvs")
+    args.venv_dir.mkdir(parents=True, exist_ok=True)
     with (args.out / "base.log").open("w") as log:
         base = ensure_base(args.venv_dir, log)
     if isinstance(base, str):
@@ -115,15 +126,7 @@ def run(args: argparse.Namespace) -> int:
         done = list(pool.map(one, combos))
     bar.close()
     columns = {name: payload for name, payload, _ in done}
-    timings = {name: seconds for name, _, seconds in done}
-    ok = all(r["ok"] for p in columns.values() for r in p["results"])
-    header, rows = table(columns)
-    versions_seen = {n: p["versions"] for n, p in columns.items()}
-    (args.out / "matrix.json").write_text(json.dumps({"versions": versions_seen, "seconds": timings,
-                                                      "header": header, "rows": rows}, indent=2))  # fmt: skip
-    md = render_markdown(header, rows) + "\n\n" + "\n".join(f"- `{n}`: {s} s" for n, s in timings.items())
-    (args.out / "matrix.md").write_text(md + "\n")
-    print(render_text(header, rows))
-    print("\n" + "\n".join(f"{n}: {v}  ({timings[n]} s)" for n, v in versions_seen.items()))
+    text, ok = write_report(args.out, columns, {name: seconds for name, _, seconds in done})
+    print(text)
     print(f"wrote {args.out / 'matrix.json'} and {args.out / 'matrix.md'}")
     return 0 if ok else 1

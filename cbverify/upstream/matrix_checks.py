@@ -19,7 +19,8 @@ Each step is this repository's own command run by the venv's interpreter; each g
    for each entry point (the manager's request API, ``generate_batch``): one row each, ``pass`` (nothing found),
    ``xfail(k)`` (only registered failure classes) or ``FAIL(k)`` (k unregistered).
 
-A step that crashes or times out is an ``ERROR`` row with its last line, never a missing one.
+``--steps`` runs a subset of 1-3 (the ``venv`` row is always there). A step that crashes or times out is an
+``ERROR`` row with its last line, never a missing one.
 """
 
 from __future__ import annotations
@@ -138,18 +139,35 @@ def install_failed(error: str) -> dict:
 
 
 def run_combo(venv: Path, args, out_dir: Path, name: str, log) -> dict:
-    """Every step in ``venv``: ``{"versions": ..., "results": [...]}`` (``versions`` holds an error if upstream
-    could not run)."""
+    """The steps of ``args.steps`` (and fuzz with ``args.fuzz``) in ``venv``: ``{"versions": ..., "results": [...]}``
+    (``versions`` holds an error if upstream could not run, and is empty when upstream is not among the steps)."""
     python = str(venv / "bin" / "python")
     added = added_modules(venv)
     results = [_row("venv", "-", f"PASS(+{', '.join(added)})" if added else "PASS", True)]
-    upstream, versions = upstream_rows(python, args, out_dir / f"{name}.upstream.json", log)
-    results += upstream
-    results += pytest_rows(python, args, out_dir / f"{name}.pytest.xml", log)
-    results += verify_rows(python, args, out_dir / f"{name}.verify.json", log)
+    versions: dict = {}
+    if "upstream" in args.steps:
+        upstream, versions = upstream_rows(python, args, out_dir / f"{name}.upstream.json", log)
+        results += upstream
+    if "pytest" in args.steps:
+        results += pytest_rows(python, args, out_dir / f"{name}.pytest.xml", log)
+    if "verify" in args.steps:
+        results += verify_rows(python, args, out_dir / f"{name}.verify.json", log)
     if args.fuzz:
         results += fuzz_rows(python, args, out_dir / f"{name}.fuzz.json", log)
     return {"versions": versions, "results": results}
+
+
+def write_report(out: Path, columns: dict[str, dict], timings: dict[str, float], **extra: dict) -> tuple[str, bool]:
+    """``matrix.json`` (versions, seconds, header, rows, then ``extra``: e.g. the node and attempts of each combo)
+    and ``matrix.md`` in ``out``; returns the text table and whether every row is as expected."""
+    header, rows = table(columns)
+    versions = {n: p["versions"] for n, p in columns.items()}
+    payload = {"versions": versions, "seconds": timings, "header": header, "rows": rows, **extra}
+    (out / "matrix.json").write_text(json.dumps(payload, indent=2))
+    md = render_markdown(header, rows) + "\n\n" + "\n".join(f"- `{n}`: {s} s" for n, s in timings.items())
+    (out / "matrix.md").write_text(md + "\n")
+    text = render_text(header, rows) + "\n\n" + "\n".join(f"{n}: {v}  ({timings[n]} s)" for n, v in versions.items())
+    return text, all(r["ok"] for p in columns.values() for r in p["results"])
 
 
 def _cell(labels: list[str]) -> str:
