@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from cbverify.checkpoint import load_checked
-from cbverify.cli import held_stderr, integer, refuse, seed_type
+from cbverify.cli import held_stderr, integer, ray_backend, ray_option, refuse, seed_type
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -31,13 +31,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write what was explored and found as JSON")
     parser.add_argument("--shrink-runs", type=integer(0), default=12,
                         help="re-runs allowed to shrink each failure class, >= 0")  # fmt: skip
+    parser.add_argument("--shards", type=integer(1, 4096), default=1,
+                        help="a campaign of this many searches, seeds --seed, --seed+1, ..., --examples each, sharing "
+                        "what they find (needs --out; one at a time, or as Ray tasks with --ray)")  # fmt: skip
+    ray_option(parser, "shards")
 
 
 def run(args) -> int:
     import torch
 
     from cbverify.fuzz import repro
-    from cbverify.fuzz.search import explore, shrink
+    from cbverify.fuzz.search import explore, shrink, summary
 
     if args.engine == "vllm":
         from cbverify.engines import envs
@@ -50,12 +54,16 @@ def run(args) -> int:
     for flag, path in (("--json", args.json), ("--out", args.out)):
         if path is not None and (path.parent.is_file() or (flag == "--json" and path.is_dir())):
             return refuse("fuzz", f"{flag} {path}: a folder, or inside a file")
+    if (args.shards > 1 or args.ray is not None) and args.out is None:
+        return refuse("fuzz", "--shards / --ray need --out: the campaign's results and shared examples live there")
     torch.set_num_threads(1)
     try:
         with held_stderr():
             model = load_checked(args.model)
     except (ValueError, FileNotFoundError) as err:
         return refuse("fuzz", err)
+    if args.shards > 1 or args.ray is not None:
+        return _campaign(args)
     report = explore(model, args.engine, model_name=args.model, examples=args.examples, seed=args.seed,
                      entry=args.entry)  # fmt: skip
     entry = f" --entry {args.entry}" if args.entry != "manager" else ""
@@ -76,11 +84,14 @@ def run(args) -> int:
         print("  no failures")
     print(f"total {report.seconds:.1f}s; {len(report.unregistered)} unregistered failure classes")
     if args.json is not None:
-        classes = [{"check": c.check, "finding": c.finding, "not": c.why or None, "examples": c.examples,
-                    "detail": c.detail[:300]} for c in report.classes.values()]  # fmt: skip
-        payload = {"versions": repro.versions(), "engine": args.engine, "entry": args.entry,
-                   "examples": report.examples,
-                   "seconds": round(report.seconds, 1), "explored": dict(report.explored), "classes": classes,
-                   "decisive": dict(report.decisive), "failed": dict(report.failed)}  # fmt: skip
-        args.json.write_text(json.dumps(payload, indent=2))
+        args.json.write_text(json.dumps(summary(report, args.engine, args.entry), indent=2))
     return 1 if report.unregistered else 0
+
+
+def _campaign(args) -> int:
+    """``--shards`` / ``--ray``: the shards on the local backend (one at a time) or as Ray tasks."""
+    from cbverify.campaign import fuzz as campaign
+    from cbverify.campaign.local import LocalBackend
+
+    backend = ray_backend("fuzz", args.ray) if args.ray is not None else LocalBackend(jobs=1)
+    return backend if isinstance(backend, int) else campaign.run(args, backend)

@@ -16,7 +16,8 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from cbverify.cli import integer, refuse
+from cbverify.cli import integer, ray_backend, ray_option, refuse
+from cbverify.data import workdir
 from cbverify.engines import ENGINE_NAMES, LOCAL_ENGINES
 from cbverify.zoo.architectures import ARCHS, by_name
 
@@ -35,6 +36,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="model dtype; the tier follows it (cbverify.tolerances.tier_for)")  # fmt: skip
     parser.add_argument("--threads", type=integer(1, 1024), default=1,
                         help="torch CPU threads, 1 to 1024 (tiny models: 1 is fastest)")  # fmt: skip
+    ray_option(parser, "architectures and combinations")
+    parser.add_argument("--out", type=Path, default=workdir("campaigns") / "zoo",
+                        help="with --ray: the campaign's results file (resume) and zoo.json "
+                        "(default: %(default)s)")  # fmt: skip
 
 
 def select(names: list[str]) -> tuple[list, list[tuple[str, str]]]:
@@ -75,6 +80,11 @@ def run(args: argparse.Namespace) -> int:
         return refuse("zoo", f"--markdown {args.markdown}: a folder, or inside a file")
     if combos:
         print(f"{len(combos)} feature combinations ({len(rejected)} candidates rejected)", flush=True)
+    if args.ray is not None:
+        from cbverify.campaign import zoo as campaign
+
+        backend = ray_backend("zoo", args.ray)
+        return backend if isinstance(backend, int) else campaign.run(args, archs + combos, rejected, backend)
     with tempfile.TemporaryDirectory(prefix="cbverify-zoo-") as directory:
         cells = run_matrix(directory, archs + combos, args.engines, progress=True, dtype=args.dtype)
     for c in cells:

@@ -13,7 +13,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import seed as hypothesis_seed
 
 from cbverify.fuzz.case import FuzzCase
@@ -81,26 +81,41 @@ class Report:
 
 
 def explore(model, engine: str, *, model_name: str, examples: int, seed: int = 0, session_factory=None,
-            engine_label: str | None = None, entry: str = "manager") -> Report:  # fmt: skip
+            engine_label: str | None = None, entry: str = "manager",
+            replay: tuple[FuzzCase, ...] = ()) -> Report:  # fmt: skip
     """Run ``examples`` drawn cases; ``engine_label`` names a wrapped engine (findings cover only the real one);
-    ``entry="generate_batch"`` draws ``model.generate_batch`` programs (transformers CB only)."""
+    ``entry="generate_batch"`` draws ``model.generate_batch`` programs (transformers CB only). ``replay``: cases found
+    before (a campaign's shared example database), run first as Hypothesis explicit examples and counted like
+    drawn ones."""
     report, pristine, start = Report(engine_label or engine), Pristine(model), time.perf_counter()
     if entry == "generate_batch" and engine != "transformers-cb":
         raise ValueError(f"--entry generate_batch is transformers CB's entry point, not {engine!r}'s")
     cases = batch_cases(model=model_name) if entry == "generate_batch" else fuzz_cases(engine=engine, model=model_name)
 
-    @hypothesis_seed(seed)
-    @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))  # fmt: skip
-    @given(cases)
     def one(case: FuzzCase) -> None:
         pristine.restore()
         report.add(case, run_case(model, case, session_factory))
 
-    one()
+    for case in replay:
+        one = example(case)(one)
+    phases = [Phase.explicit, Phase.generate] if replay else [Phase.generate]
+    settings(max_examples=examples, deadline=None, database=None, phases=phases,
+             suppress_health_check=list(HealthCheck))(hypothesis_seed(seed)(given(cases)(one)))()  # fmt: skip
     pristine.restore()
     report.seconds = time.perf_counter() - start
     return report
+
+
+def summary(report: Report, engine: str, entry: str) -> dict:
+    """What ``cbverify fuzz --json`` writes: versions, what was explored, the failure classes and the decisive
+    counts."""
+    from cbverify.fuzz.repro import versions
+
+    classes = [{"check": c.check, "finding": c.finding, "not": c.why or None, "examples": c.examples,
+                "detail": c.detail[:300]} for c in report.classes.values()]  # fmt: skip
+    return {"versions": versions(), "engine": engine, "entry": entry, "examples": report.examples,
+            "seconds": round(report.seconds, 1), "explored": dict(report.explored), "classes": classes,
+            "decisive": dict(report.decisive), "failed": dict(report.failed)}  # fmt: skip
 
 
 def _config_keys(case: FuzzCase) -> list[str]:
