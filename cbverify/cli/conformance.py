@@ -10,7 +10,8 @@ import re
 import tempfile
 from pathlib import Path
 
-from cbverify.cli import held_stderr, integer, refuse
+from cbverify.cli import held_stderr, integer, ray_backend, ray_option, refuse
+from cbverify.data import workdir
 
 
 def option(text: str) -> str:
@@ -29,13 +30,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--examples", type=integer(1), default=10, help="Hypothesis examples per property, >= 1")
     parser.add_argument("--markdown", type=Path, default=Path("conformance.md"), help="where the report goes")
     parser.add_argument("-k", dest="keyword", default=None, help="only the properties matching this pytest -k")
+    ray_option(parser, "engines (one task each)")
+    parser.add_argument("--out", type=Path, default=workdir("campaigns") / "conformance",
+                        help="with --ray: the campaign's results file (resume) and conformance.json "
+                        "(default: %(default)s)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     import pytest
 
-    import cbverify.conformance
     from cbverify.checkpoint import preflight
+    from cbverify.conformance import suite_argv
 
     if args.markdown.is_dir() or not args.markdown.resolve().parent.is_dir():
         return refuse("conformance", f"--markdown {args.markdown}: a folder, or its folder does not exist")
@@ -44,19 +49,14 @@ def run(args: argparse.Namespace) -> int:
             preflight(args.model)
     except (ValueError, FileNotFoundError) as err:
         return refuse("conformance", err)
-    package = Path(cbverify.conformance.__file__).parent
+    if args.ray is not None:
+        from cbverify.campaign import conformance as campaign
+
+        backend = ray_backend("conformance", args.ray)
+        return backend if isinstance(backend, int) else campaign.run(args, backend)
     with tempfile.TemporaryDirectory(prefix="cbverify-conformance-") as tmp:
-        ini = Path(tmp) / "pytest.ini"
-        ini.write_text("[pytest]\n")  # none of the current directory's addopts, markers or conftest files
-        argv = ["-q", "-c", str(ini), "--rootdir", tmp, "--confcutdir", str(package), "-p", "no:cacheprovider",
-                "--pyargs", "cbverify.conformance", "--cbverify-model", args.model, "--cbverify-examples",
-                str(args.examples), "--cbverify-report", str(args.markdown.resolve())]  # fmt: skip
-        for engine in args.engines:
-            argv += ["--cbverify-engine", engine]
-        for option in args.option:
-            argv += ["--cbverify-option", option]
-        if args.keyword:
-            argv += ["-k", args.keyword]
+        argv = suite_argv(Path(tmp), args.model, args.examples, args.engines, args.option, args.keyword,
+                          args.markdown.resolve())  # fmt: skip
         code = pytest.main(argv)
     print(f"conformance report: {args.markdown}")
     return 0 if code == pytest.ExitCode.OK else 1

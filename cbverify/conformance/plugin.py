@@ -4,7 +4,8 @@ Options: ``--cbverify-engine NAME`` (repeatable: a built-in name, an installed `
 ``module:factory``), ``--cbverify-model`` (bundled name or local checkpoint, float32), ``--cbverify-option KEY=VALUE``
 (passed to every engine's factory; the value is read as JSON when it parses), ``--cbverify-examples N`` (Hypothesis
 examples per property; default: the loaded profile's when ``HYPOTHESIS_PROFILE`` names one, else 10),
-``--cbverify-report PATH`` (the Markdown table of property x engine).
+``--cbverify-report PATH`` (the Markdown table of property x engine), ``--cbverify-outcomes PATH`` (the same outcomes
+as JSON, which :func:`render_report` turns into that table: how a campaign merges runs on several nodes).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def pytest_addoption(parser) -> None:
     group.addoption("--cbverify-examples", type=int, default=None, help="Hypothesis examples per property (default: "
                     "the profile's named by HYPOTHESIS_PROFILE, else 10)")  # fmt: skip
     group.addoption("--cbverify-report", type=Path, default=None, help="write the property x engine table here")
+    group.addoption("--cbverify-outcomes", type=Path, default=None, help="write the outcomes as JSON here")
 
 
 def _env_marks(name: str) -> list:
@@ -151,40 +153,52 @@ _DECLARED: dict[str, tuple[str, ...]] = {}  # engine -> the deviations it declar
 
 def pytest_sessionfinish(session) -> None:
     config = session.config
-    path = config.getoption("cbverify_report")
-    if path is None:
-        return
-    outcomes = _OUTCOMES
-    engines = list(dict.fromkeys(engine for _, engine in outcomes))
-    properties = list(dict.fromkeys(name for name, _ in outcomes))
-    lines = ["# cbverify conformance report", "", _versions(config), "",
+    path, outcomes_path = config.getoption("cbverify_report"), config.getoption("cbverify_outcomes")
+    outcomes = [[name, engine, status, reason] for (name, engine), (status, reason) in _OUTCOMES.items()]
+    declared = {engine: list(ds) for engine, ds in _DECLARED.items()}
+    model = config.getoption("cbverify_model")
+    if outcomes_path is not None:
+        payload = {"outcomes": outcomes, "declared": declared, "versions": _versions(config), "model": model}
+        Path(outcomes_path).write_text(json.dumps(payload, indent=1))
+    if path is not None:
+        Path(path).write_text(render_report(outcomes, declared, _versions(config), model))
+
+
+def render_report(outcomes: list[list[str]], declared: dict[str, list[str]], versions: str, model: str) -> str:
+    """The Markdown report: ``outcomes`` rows ``[property, engine, status, reason]`` (properties and engines in order
+    of first appearance), the deviations each engine declares, the details of every non-PASS and the
+    decisiveness list."""
+    by = {(name, engine): (status, reason) for name, engine, status, reason in outcomes}
+    engines = list(dict.fromkeys(engine for _, engine in by))
+    properties = list(dict.fromkeys(name for name, _ in by))
+    lines = ["# cbverify conformance report", "", versions, "",
              "| property | " + " | ".join(f"`{e}`" for e in engines) + " |",
              "|---|" + "---|" * len(engines)]  # fmt: skip
     details = []
     for prop in properties:
         cells = []
         for engine in engines:
-            status, reason = outcomes.get((prop, engine), ("-", ""))
+            status, reason = by.get((prop, engine), ("-", ""))
             cells.append(status)
             if status != "PASS" and reason:
                 details.append(f"- `{prop}` on `{engine}`: {status}: {reason}")
             if status == "FAIL":
                 details.append(f"  repro: `pytest --pyargs cbverify.conformance --cbverify-engine {engine} "
-                               f"--cbverify-model {config.getoption('cbverify_model')} -k {prop}`")  # fmt: skip
+                               f"--cbverify-model {model} -k {prop}`")  # fmt: skip
         lines.append(f"| {prop.removeprefix('test_').replace('_', ' ')} | " + " | ".join(cells) + " |")
     from cbverify.engines import DEVIATIONS
 
-    declared = [f"- `{engine}` declares the deviation `{d}`: {DEVIATIONS[d].description}. The properties draw outside "
-                "its domain; `declared deviations are real` holds the declaration to it."
-                for engine in engines for d in _DECLARED.get(engine, ())]  # fmt: skip
+    deviations = [f"- `{engine}` declares the deviation `{d}`: {DEVIATIONS[d].description}. The properties draw "
+                  "outside its domain; `declared deviations are real` holds the declaration to it."
+                  for engine in engines for d in declared.get(engine, ())]  # fmt: skip
     from cbverify.decisive import tally
 
-    tallies = tally((prop, status, reason) for (prop, _), (status, reason) in outcomes.items())
+    tallies = tally((prop, status, reason) for (prop, _), (status, reason) in by.items())
     judged = ["## Decisiveness", "", "Engines each property judged (PASS / FAIL) and could not (NOT-APPLICABLE, by "
               "capability or by the engine's own refusal). A property judged by no engine verified nothing here.", "",
               *(f"- `{t.check}`: {t.judged} judged, {sum(t.not_applicable.values())} not applicable"
                 + (" **(judged by no engine)**" if t.vacuous else "") for t in tallies)]  # fmt: skip
-    Path(path).write_text("\n".join([*lines, "", *declared, *([""] if declared else []), *details, "", *judged, ""]))
+    return "\n".join([*lines, "", *deviations, *([""] if deviations else []), *details, "", *judged, ""])
 
 
 def _versions(config) -> str:
