@@ -97,3 +97,15 @@ def test_the_checker_sees_static_nested_relative_and_string_imports(tmp_path, mo
     found = violations(fake / "upward.py")
     assert [v.split(": imports ")[1].split(" ")[0] for v in found] == ["cbverify", "cb_impl.engine",
                                                                        "golden.build_models", "cbverify"]  # fmt: skip
+
+
+def test_the_campaign_package_is_imported_only_by_the_cli():
+    """``cbverify.campaign`` (local and Ray backends) sits just under the CLI: no other product module imports it."""
+    bad = []
+    for path in layered_files():
+        inside = path.relative_to(REPO).parts[:2]
+        if inside in (("cbverify", "cli"), ("cbverify", "campaign")):
+            continue
+        bad += [f"{path.relative_to(REPO)}:{line}: imports {module}" for line, module, _ in imported_names(path)
+                if module == "cbverify.campaign" or module.startswith("cbverify.campaign.")]  # fmt: skip
+    assert not bad, "\n".join(bad)

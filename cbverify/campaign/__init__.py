@@ -9,7 +9,7 @@ conformance engine) on a backend, and merge what comes back into the command's u
   merged result exactly once.
 - :mod:`~cbverify.campaign.local`: the local backend (one fresh process per task, ``jobs`` at once).
 - :mod:`~cbverify.campaign.ray_backend`: the Ray backend (``--ray auto`` or ``--ray ADDRESS``): one Ray task per
-  unit, retried elsewhere when its worker or node dies, attempts counted by an actor on the driver's node.
+  unit, retried elsewhere when its worker or node dies, attempts counted by an actor on the head node.
 - :mod:`~cbverify.campaign.matrix`, :mod:`~cbverify.campaign.fuzz`, :mod:`~cbverify.campaign.zoo`,
   :mod:`~cbverify.campaign.conformance`: what each command's unit runs on a node and how its results merge.
 

@@ -49,7 +49,7 @@ def resume_key(kind: str, pins: dict) -> str:
 
 class AttemptCounter:
     """How many times each task has started. A task asks for its number as it starts, so a task whose first worker
-    died counts 2 (the Ray backend holds one in an actor on the driver's node; the local backend one in memory)."""
+    died counts 2 (the Ray backend holds one in an actor on the head node; the local backend one in memory)."""
 
     def __init__(self) -> None:
         self._counts: dict[str, int] = {}

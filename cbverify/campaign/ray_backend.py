@@ -3,7 +3,7 @@
 Each task is one Ray task (1 CPU) retried up to :data:`MAX_RETRIES` times elsewhere when its worker or node dies
 (Ray's ``max_retries``), and when it raises :class:`~cbverify.campaign.core.InfrastructureError` (``retry_exceptions``
 names only that class: a check's FAIL is a result, never an exception). Attempts are counted by an
-:class:`~cbverify.campaign.core.AttemptCounter` actor pinned to the driver's node (zero CPUs, named
+:class:`~cbverify.campaign.core.AttemptCounter` actor pinned to the head node (zero CPUs, named
 ``cbverify-attempts-<id>`` in the ``cbverify`` namespace): every attempt asks it for its number as it starts, so a task
 whose node died mid-run comes back with ``attempt`` 2. Tasks are submitted as CPUs free up, so a task submitted
 later carries what earlier ones found (``prepare``).
@@ -53,12 +53,15 @@ class RayBackend:
         self.remote = ray.remote(num_cpus=1, max_retries=MAX_RETRIES, retry_exceptions=[InfrastructureError])(_attempt)
 
     def _counter(self):
+        """A fresh attempt counter on the head node: the cluster ends with it anyway, so the counter lives as long as
+        any task can (the driver's own node is no better: on a machine with several nodes it may be any of them)."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        here = self.ray.get_runtime_context().get_node_id()
+        head = next(n["NodeID"] for n in self.ray.nodes() if n["Alive"] and "node:__internal_head__" in n["Resources"])
+        pinned = NodeAffinitySchedulingStrategy(head, soft=False)
         actor = self.ray.remote(num_cpus=0)(AttemptCounter)
-        return actor.options(name=f"cbverify-attempts-{uuid.uuid4().hex[:8]}", namespace=NAMESPACE,
-                             scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)).remote()  # fmt: skip
+        name = f"cbverify-attempts-{uuid.uuid4().hex[:8]}"
+        return actor.options(name=name, namespace=NAMESPACE, scheduling_strategy=pinned).remote()
 
     def slots(self) -> int:
         """Tasks in flight at once: the cluster's CPUs now (at least one)."""

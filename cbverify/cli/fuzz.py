@@ -56,14 +56,21 @@ def run(args) -> int:
             return refuse("fuzz", f"{flag} {path}: a folder, or inside a file")
     if (args.shards > 1 or args.ray is not None) and args.out is None:
         return refuse("fuzz", "--shards / --ray need --out: the campaign's results and shared examples live there")
+    backend = _campaign_backend(args)
+    if isinstance(backend, int):
+        return backend
     torch.set_num_threads(1)
     try:
         with held_stderr():
             model = load_checked(args.model)
     except (ValueError, FileNotFoundError) as err:
+        if backend is not None:
+            backend.close()
         return refuse("fuzz", err)
-    if args.shards > 1 or args.ray is not None:
-        return _campaign(args)
+    if backend is not None:
+        from cbverify.campaign import fuzz as campaign
+
+        return campaign.run(args, backend)
     report = explore(model, args.engine, model_name=args.model, examples=args.examples, seed=args.seed,
                      entry=args.entry)  # fmt: skip
     entry = f" --entry {args.entry}" if args.entry != "manager" else ""
@@ -88,10 +95,11 @@ def run(args) -> int:
     return 1 if report.unregistered else 0
 
 
-def _campaign(args) -> int:
-    """``--shards`` / ``--ray``: the shards on the local backend (one at a time) or as Ray tasks."""
-    from cbverify.campaign import fuzz as campaign
+def _campaign_backend(args):
+    """``--shards`` / ``--ray``: the local backend (one shard at a time) or the Ray backend (exit code 2 when Ray
+    cannot be used); ``None`` for a single search."""
     from cbverify.campaign.local import LocalBackend
 
-    backend = ray_backend("fuzz", args.ray) if args.ray is not None else LocalBackend(jobs=1)
-    return backend if isinstance(backend, int) else campaign.run(args, backend)
+    if args.ray is not None:
+        return ray_backend("fuzz", args.ray)
+    return LocalBackend(jobs=1) if args.shards > 1 else None
