@@ -35,7 +35,8 @@ def env_line(env: dict) -> str:
 
 
 def _env(result: dict) -> dict:
-    return next((c["env"] for c in result["cases"] if "env" in c), {})
+    rows = [*result["cases"], *(result.get("grpo") or {}).get("rows", [])]  # a GRPO-only run has no cases
+    return next((c["env"] for c in rows if "env" in c), {})
 
 
 def _model(result: dict) -> dict:
@@ -93,7 +94,8 @@ def markdown(result: dict) -> str:
                   "time above), per bench process: " + ", ".join(f"{w} {t:.1f} s" for w, t in startups.items()) + ".",
                   ""]  # fmt: skip
     lines += breakdown_markdown(result)
-    lines += ["## Targets (CPU, ratios from this run)", "", "| target | measured | met |", "|---|---|---|"]
+    if result["targets"]:  # none in a GRPO-only run (--no-matrix)
+        lines += ["## Targets (CPU, ratios from this run)", "", "| target | measured | met |", "|---|---|---|"]
     for t in result["targets"]:
         lines.append(f"| {t['target']} | {_fmt(t['value'], '.3f')} | {_met(t['met'])} |")
     if result.get("grpo"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import asdict
 from pathlib import Path
 
 from cbverify.bench.grpo_step import DEFAULT_PATHS
@@ -76,6 +77,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="time model forwards for engine overhead per step (default: on for CPU, off for CUDA, where the sync "
         "around each forward would remove the CPU/GPU overlap that engines rely on)",
     )
+    parser.add_argument("--matrix", action=argparse.BooleanOptionalAction, default=True,
+                        help="the generation matrix (--no-matrix: the GRPO step only)")  # fmt: skip
     parser.add_argument(
         "--grpo",
         action=argparse.BooleanOptionalAction,
@@ -121,7 +124,10 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as err:
         return refuse("bench", err)
     try:
-        result = run_suite(config, out, from_logs=args.from_logs)
+        if not args.matrix and not args.grpo:
+            return refuse("bench", "--no-matrix --no-grpo: nothing to run")
+        result = (run_suite(config, out, from_logs=args.from_logs) if args.matrix
+                  else {"config": asdict(config), "cases": [], "ratios": [], "targets": []})  # fmt: skip
         if grpo is not None:
             result["grpo"] = run_grpo(grpo, out, from_logs=args.from_logs)
     except (FileNotFoundError, ValueError, KeyError, TypeError) as err:
