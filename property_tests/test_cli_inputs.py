@@ -343,6 +343,7 @@ BOUNDS = [
     (["conformance", "--engines", "cb_impl"], "--examples", "1", "0"),
     (["matrix"], "--fuzz", "0", "-1"), (["matrix"], "--jobs", "1", "0"), (["matrix"], "--jobs", "256", "257"),
     (["matrix"], "--timeout", "1", "0"), (["upstream"], "--nproc", "1", "0"), (["upstream"], "--nproc", "64", "65"),
+    (["fuzz"], "--shards", "1", "0"), (["fuzz"], "--shards", "4096", "4097"),
 ]  # fmt: skip
 NOT_FINITE = [(["verify"], "--num-prompts", "x"), (["bench"], "--kv-headroom", "nan"), (["bench"], "--temperature",
               "inf"), (["train"], "--temperature", "nan"), (["train"], "--beta", "inf")]  # fmt: skip
