@@ -144,3 +144,16 @@ def test_resume_ledger_lines_are_json_with_the_envelope(tmp_path):
     (line,) = Ledger(tmp_path, "demo").path.read_text().splitlines()
     entry = json.loads(line)
     assert entry["resume"] == resume_key("demo", {"x": 0}) and entry["envelope"]["result"] == {"square": 0}
+
+
+def test_a_shard_replays_the_databases_cases_first_and_counts_them():
+    """``explore(replay=...)``: each known case runs (Hypothesis explicit examples) before the drawn ones."""
+    from cbverify.checkpoint import load_checked
+    from cbverify.fuzz.findings import FUZZ_FINDINGS
+    from cbverify.fuzz.search import explore
+
+    finding = next(f for f in FUZZ_FINDINGS if f.id == "cb-leaves-model-in-eval-mode")
+    model = load_checked("tiny-llama-arith")
+    report = explore(model, "transformers-cb", model_name="tiny-llama-arith", examples=1, replay=(finding.repro,))
+    assert report.examples == 2, "the replayed case and the one drawn"
+    assert "cb-leaves-model-in-eval-mode" in {c.finding for c in report.classes.values()}
