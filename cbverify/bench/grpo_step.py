@@ -96,8 +96,9 @@ def _path_args(path: str, batch: int, longest: int, cuda: bool) -> dict:
         pages = batch * -(-longest // CB_PAGE)
         return {"use_transformers_continuous_batching": True,
                 "transformers_continuous_batching_config": {"num_blocks": pages, "max_batch_tokens": 512}}  # fmt: skip
-    if path == "vllm":  # on CPU the memory fraction is of RAM: vLLM's default 0.9 refuses to start
-        return {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.1 if not cuda else 0.3,
+    if path == "vllm":  # on CPU the fraction is of RAM, less what the process already holds (~2.4 GB at N = 64):
+        # vLLM's default 0.9 refuses to start, 0.1 leaves nothing for the KV cache
+        return {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3,
                 "vllm_enable_sleep_mode": False}  # fmt: skip
     return {}
 
@@ -236,14 +237,19 @@ def run_grpo(cfg: GrpoConfig, out_dir: Path, *, from_logs: bool = False) -> dict
         out, log = log_dir / f"grpo-{workload}-{path}-r{k}.jsonl", log_dir / f"grpo-{workload}-{path}-r{k}.log"
         name = model["path"] if workload == "reasoning" else cfg.model
         python, env = _worker(path)
-        cmd = [python, "-m", "cbverify.bench.grpo_step", "--workload", workload, "--path", path, "--n",
-               *map(str, cfg.ns), "--device", cfg.device, "--steps", str(cfg.steps), "--num-prompts",
-               str(cfg.num_prompts), "--model", name, "--threads", str(cfg.threads), "--out", str(out)]  # fmt: skip
+        # a vLLM keeps its KV cache until its process ends and the next one sizes its own from what is left: one
+        # process per N there (the other paths run N ascending in one process)
         with open(log, "w") as stream:
-            proc = subprocess.run(cmd, stdout=stream, stderr=subprocess.STDOUT, env=env, check=False)
-        got = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
-        rows += got or [{"workload": workload, "path": path, "n": n,
-                         "error": f"worker exited {proc.returncode}; see {log.name}"} for n in cfg.ns]  # fmt: skip
+            for ns in [[n] for n in cfg.ns] if path == "vllm" else [list(cfg.ns)]:
+                cmd = [python, "-m", "cbverify.bench.grpo_step", "--workload", workload, "--path", path, "--n",
+                       *map(str, ns), "--device", cfg.device, "--steps", str(cfg.steps), "--num-prompts",
+                       str(cfg.num_prompts), "--model", name, "--threads", str(cfg.threads),
+                       "--out", str(out)]  # fmt: skip
+                stream.flush()
+                subprocess.run(cmd, stdout=stream, stderr=subprocess.STDOUT, env=env, check=False)
+        got = {r["n"]: r for r in (json.loads(line) for line in out.read_text().splitlines())} if out.exists() else {}
+        rows += [got.get(n) or {"workload": workload, "path": path, "n": n,
+                                "error": f"no record from the worker; see {log.name}"} for n in cfg.ns]  # fmt: skip
     return {"setup": _setup(cfg, model), "config": config, "rows": pool_rounds(rows)}
 
 
