@@ -252,3 +252,12 @@ def test_cb_impl_s_step_breakdown_splits_its_wall_time_per_step_into_parts_that_
     assert "| arith | 32 | 10.00 | 10.00 | 40.00 | 20.00 | 20.00 | 60.00 | 45.00 |" in table
     assert report.step_breakdown(cb | {"forward_s": None}) is None  # untimed forwards: no breakdown
     assert report.breakdown_markdown({"cases": [hf, cb | {"extra": {}}]}) == []  # no engine timers: no table
+
+
+def test_throughput_against_vllm_is_a_target_of_every_cell_where_vllm_ran_and_of_none_where_it_did_not():
+    pair = [record("cb_impl", 32, 96.0, 1), record("hf-generate", 32, 50.0, 1)]
+    assert not [t for t in evaluate_targets(pair) if "/ vllm" in t["target"]], "vLLM is opt-in: no run, no target"
+    targets = {t["target"]: t for t in evaluate_targets([*pair, record("vllm", 32, 100.0, 1)])}
+    against = targets["gsm8k-like N=32: cb_impl tokens_per_s / vllm >= 1.0"]
+    assert against["value"] == pytest.approx(0.96) and against["met"] is False
+    assert targets["gsm8k-like N=8: cb_impl tokens_per_s / vllm >= 1.0"]["met"] is None  # a cell vLLM did not run
