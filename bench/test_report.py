@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from cbverify.bench import report
-from cbverify.bench.grpo_step import pool_rounds
+from cbverify.bench.grpo_suite import pool_rounds
 from cbverify.bench.suite import (
     SuiteConfig,
     check_case,
@@ -164,7 +164,7 @@ def test_matrix_rounds_pool_to_the_median_run_with_its_spread_and_every_round_s_
 
 
 def test_paired_speedups_divide_step_by_step_and_only_when_both_paths_timed_the_same_steps():
-    from cbverify.bench.grpo_step import paired_speedups
+    from cbverify.bench.grpo_suite import paired_speedups
 
     assert paired_speedups([2.0, 3.0, 1.0], [1.0, 1.5, 4.0]) == [2.0, 2.0, 0.25]
     assert paired_speedups([2.0, 3.0], [1.0]) is None, "a path with a missing step is not paired"

@@ -12,8 +12,9 @@ import statistics
 import textwrap
 from pathlib import Path
 
-from cbverify.bench.grpo_step import PATHS, paired_speedups
+from cbverify.bench.grpo_step import PATHS
 from cbverify.bench.grpo_step import WORKLOADS as GRPO_WORKLOADS
+from cbverify.bench.grpo_suite import paired_speedups
 from cbverify.bench.timed import ENGINES
 from cbverify.engines import OWN_ENV_ENGINES
 

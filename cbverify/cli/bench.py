@@ -115,7 +115,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from cbverify.bench import report
-    from cbverify.bench.grpo_step import GrpoConfig, run_grpo
+    from cbverify.bench.grpo_step import GrpoConfig
+    from cbverify.bench.grpo_suite import run_grpo
     from cbverify.bench.suite import SuiteConfig, run_suite
 
     out = Path(args.out)
