@@ -17,7 +17,7 @@ compares the bits over the full 32-bit range and the race against the full-vocab
   0.06 of ``-log(1 - u)``, with conversions only. A token whose bound is below the exact score of one token (the
   one with the largest bound) cannot win; the two logarithms are computed for the few tokens left (about one per
   flat row of 4096). The search runs over chunks of 64 tokens: their maxima are one fast pass, and only the chunks
-  whose maximum reaches that score are compared token by token. Tokens removed by a processor (-inf) never are.
+  whose maximum reaches that score are compared token by token. Tokens removed by a processor (-inf) never win.
 """
 
 from __future__ import annotations
@@ -103,7 +103,8 @@ def gumbel_race(processed: torch.Tensor, keys: torch.Tensor, min_vocab: int = RA
     chunks = (F.pad(bound, (0, pad), value=float("-inf")) if pad else bound).view(rows, -1, RACE_CHUNK)  # (R, C, 64)
     chunk_max = chunks.amax(dim=-1)  # (R, C)
     top = chunk_max.argmax(dim=-1)  # (R,) the first chunk holding the row's largest bound
-    anchor = (top * RACE_CHUNK + chunks[torch.arange(rows), top].argmax(dim=-1))[:, None]  # (R, 1) that token
+    first = chunks[torch.arange(rows, device=top.device), top].argmax(dim=-1)  # (R,) its first largest bound
+    anchor = (top * RACE_CHUNK + first)[:, None]  # (R, 1) that token
     floor = processed.gather(1, anchor).double().sub_(minus_gumbel(bits.gather(1, anchor))).float()  # (R, 1)
     rc, c = (chunk_max >= floor).nonzero(as_tuple=True)  # (K,) the chunks that can hold a winner
     hit, offset = (chunks[rc, c] >= floor[rc]).nonzero(as_tuple=True)  # (N,) their tokens that can win
