@@ -114,15 +114,16 @@ class LLMEngine:
             with self.runner.attached():
                 logits = self.runner.run(batch)  # (R, V)
             t2 = time.perf_counter()
-            seqs = batch.samples
-            if seqs and seqs == self._sampled_seqs:  # the last step's requests, each one completion token further
-                positions = self._positions + 1
-            else:  # the sampling constants change with the sampled requests only
-                self._sampling = build_sampling_batch([s.sampler_row for s in seqs], logits.device)
-                positions = int64_tensor([s.num_completion_tokens for s in seqs], logits.device)  # (R,)
-            self._sampled_seqs, self._positions = seqs, positions
-            tokens, logprobs = sample(logits, self._sampling, positions)
-            tokens, logprobs = tokens.tolist(), logprobs.tolist()  # host: one copy of each
+            seqs, tokens, logprobs = batch.samples, [], []  # partial prefills only: nothing reaches the sampler
+            if seqs:
+                if seqs == self._sampled_seqs:  # the last sampled requests, each one completion token further
+                    positions = self._positions + 1
+                else:  # the sampling constants change with the sampled requests only
+                    self._sampling = build_sampling_batch([s.sampler_row for s in seqs], logits.device)
+                    positions = int64_tensor([s.num_completion_tokens for s in seqs], logits.device)  # (R,)
+                self._sampled_seqs, self._positions = seqs, positions
+                tokens, logprobs = sample(logits, self._sampling, positions)
+                tokens, logprobs = tokens.tolist(), logprobs.tolist()  # host: one copy of each
         except Exception as err:
             touched = [s for s, _ in batch.chunks] + batch.samples  # and the followers of each, forked or not
             failed = list({id(s): s for s in touched + [f for s in touched for f in s.followers]}.values())

@@ -2,6 +2,11 @@
 
 Oracle: the logits of row ``r`` equal the model's logits at the last token of sample ``r``'s chunk when the model
 is run on that sequence alone (``reference.generate`` does exactly that, without a cache).
+
+Invariant, checked before every forward (:func:`check_batch`): nothing empty reaches the model. Every chunk has at
+least one token, every attention group at least one sequence and one query, and logits are asked for at least one
+row. A step that only advances partial prefills samples nothing: its forward writes their keys and values and keeps
+the logits of one row, which ``run`` drops, and the engine does not call the sampler.
 """
 
 from __future__ import annotations
@@ -23,6 +28,18 @@ def int64_tensor(values: Iterable[int], device: torch.device) -> torch.Tensor:
     """A host list of ints -> int64 tensor on ``device``, through a buffer (several times faster than torch.tensor)."""
     buf = array("q", (0, *values))  # a leading 0, sliced off: frombuffer refuses an empty buffer
     return torch.frombuffer(buf, dtype=torch.int64)[1:].to(device)
+
+
+def check_batch(batch: ScheduledBatch, meta: StepMetadata) -> None:
+    """Raise ``RuntimeError`` if any part of the step is empty (the module's invariant): a scheduler or runner bug
+    that some models forgive (an empty reshape) and others, or a GPU kernel, do not."""
+    empty = [seq.request_id for seq, n in batch.chunks if n < 1]
+    if empty or not batch.chunks:
+        raise RuntimeError(f"a step scheduled no token for {empty or 'any sequence'}")
+    for g in meta.groups:
+        if 0 in g.q_index.shape or 0 in g.kv_slots.shape:
+            raise RuntimeError(f"an empty attention group reached the forward: queries {tuple(g.q_index.shape)}, "
+                               f"keys {tuple(g.kv_slots.shape)}")  # fmt: skip
 
 
 class ModelRunner:
@@ -114,13 +131,15 @@ class ModelRunner:
         return int64_tensor(ids, self.device)[None], starts[None], meta, rows
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        """One forward over the batch; returns float logits (R, V), row r for ``batch.samples[r]``."""
-        if not batch.chunks:
-            return torch.empty(0, self.vocab_size, device=self.device)
+        """One forward over the batch; returns float logits (R, V), row r for ``batch.samples[r]`` (R = 0 for a step
+        of partial prefills only)."""
         self.cache.copy_blocks(batch.copies)
         input_ids, position_ids, meta, last_rows = self._metadata(batch)  # last_rows (C,)
+        check_batch(batch, meta)
         rows = None  # each chunk samples once, in order: the kept logits are the rows
-        if batch.num_partial_prefills or len(batch.samples) != len(batch.chunks):
+        if not batch.samples:  # partial prefills only: keys and values are written, one row of logits is dropped
+            last_rows, rows = last_rows[-1:], last_rows[:0]
+        elif batch.num_partial_prefills or len(batch.samples) != len(batch.chunks):
             sample_chunks = int64_tensor(batch.sample_chunks, self.device)  # (R,) non-decreasing
             kept, rows = torch.unique_consecutive(sample_chunks, return_inverse=True)  # (U,), (R,)
             last_rows = last_rows[kept]

@@ -121,7 +121,10 @@ def _sampled(logits: torch.Tensor, b: SamplingBatch, positions: torch.Tensor,
 def sample(logits: torch.Tensor, b: SamplingBatch, positions: torch.Tensor,
            budget: int = SAMPLE_BUDGET) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Tokens (R,) int64 and their processed log-probs (R,) float32 for logits (R, V) of any float dtype, the rows
-    sampling the tokens at completion ``positions`` (R,) int64; sampled rows run in slices of ``budget`` logits."""
+    sampling the tokens at completion ``positions`` (R,) int64; sampled rows run in slices of ``budget`` logits.
+    Needs R >= 1: a step that samples nothing must not reach the sampler (``cb_impl.model_runner``'s invariant)."""
+    if logits.shape[0] == 0:
+        raise ValueError("sample() got no rows: a step that samples nothing must not reach the sampler")
     logits = logits.float()
     if not b.greedy_rows:
         return _sampled(logits, b, positions, budget)

@@ -13,7 +13,9 @@ Policy, per step (vLLM v1-style unified scheduling):
    is computed and sample their first token from its last-position logits.
 
 Invariants: tokens scheduled <= ``max_batch_tokens``; running <= ``max_num_seqs``; waiting is sorted by arrival;
-every admitted sequence finishes (or is aborted) exactly once.
+every admitted sequence finishes (or is aborted) exactly once; every chunk has at least one token, and a step with
+unfinished work schedules at least one chunk (nothing empty reaches the model: ``model_runner.check_batch``). A step
+may sample nothing (partial prefills only); then the sampler is not called.
 """
 
 from __future__ import annotations
