@@ -36,7 +36,7 @@ from cb_impl.support import UnsupportedModel, mask_window
 
 NOT_ROUTED = "is not supported by cb_impl: its attention does not go through transformers' AttentionInterface"
 
-GATHER_BUDGET = 1 << 18  # elements of gathered keys (and as many values) per SDPA call
+GATHER_BUDGET = 1 << 18  # CPU: elements of gathered keys (and as many values) per SDPA call (``cb_impl.tuning``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,11 +75,11 @@ def slot_grid(tables: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 def build_group(starts: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tensor, grid: torch.Tensor, q_max: int,
-                l_max: int, all_full: bool) -> AttentionGroup:  # fmt: skip
+                l_max: int, all_full: bool, num_queries: int) -> AttentionGroup:  # fmt: skip
     """Attention group for S sequences whose chunks begin at position ``starts`` (S,), have ``lengths`` new tokens, sit
     at row ``offsets`` of the packed batch and keep position ``p`` in slot ``grid[s, p]`` (:func:`slot_grid`); host
-    ``q_max = max(lengths)``, ``l_max = max(starts + lengths)`` (at most the grid's width) and ``all_full`` (every
-    sequence ends at ``l_max``)."""
+    ``q_max = max(lengths)``, ``l_max = max(starts + lengths)`` (at most the grid's width), ``all_full`` (every
+    sequence ends at ``l_max``) and ``num_queries = sum(lengths)``. Device work only: nothing is read back."""
     device = starts.device
     k = torch.arange(l_max, device=device)  # (L,)
     k_valid = k[None, :] < (starts + lengths)[:, None]  # (S, L)
@@ -92,7 +92,9 @@ def build_group(starts: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tens
     q = torch.arange(q_max, device=device)  # (Q,)
     q_valid = q[None, :] < lengths[:, None]  # (S, Q)
     q_index = offsets[:, None] + torch.where(q_valid, q[None, :], 0)  # (S, Q)
-    valid_flat = q_valid.flatten().nonzero().squeeze(1)  # (N,) once per step, not per layer
+    seq_of = torch.repeat_interleave(torch.arange(len(starts), device=device), lengths, output_size=num_queries)
+    first = (lengths.cumsum(0) - lengths)[seq_of]  # (N,) the packed index of each query's sequence's first query
+    valid_flat = seq_of * q_max + torch.arange(num_queries, device=device) - first  # (N,) no host sync: N is known
     q_pos = torch.where(q_valid, starts[:, None] + q[None, :], 0)  # (S, Q)
     mask = (k[None, None, :] <= q_pos[:, :, None]) & q_valid[:, :, None]  # (S, Q, L)
     mask |= (~q_valid)[:, :, None] & (k == 0)[None, None, :]  # padded query rows see column 0 only
@@ -132,7 +134,7 @@ class PagedAttention:
         self.cache = cache
         self.compute_dtype = compute_dtype  # None: the query's dtype
         self.metadata: StepMetadata | None = None
-        self.gather_budget = GATHER_BUDGET  # tests lower it to force one sequence per slice
+        self.gather_budget: int | None = GATHER_BUDGET  # None: one call per group; tests lower it to slice more
         self._swap: tuple[torch.nn.Module, list] | None = None
         self.name = f"cb_impl_paged_{next(self._ids)}"
         AttentionInterface.register(self.name, self.__call__)
@@ -160,7 +162,9 @@ class PagedAttention:
             group_mask = g.mask if window is None else g.window_mask(int(window))  # (S, 1, Q, L)
             # sequences in slices whose gathered K/V stay small: cache-resident, and below malloc's mmap threshold
             # (a fresh mmap per layer costs page faults); rows of SDPA are independent, so slicing changes nothing
-            step = max(1, self.gather_budget // (kv_len * k_cache.shape[1] * k_cache.shape[2]))
+            # (a CPU tuning: on an accelerator ``gather_budget`` is None, one gather and one SDPA per group)
+            gathered = kv_len * k_cache.shape[1] * k_cache.shape[2]
+            step = num_seqs if self.gather_budget is None else max(1, self.gather_budget // gathered)
             for s0 in range(0, num_seqs, step):
                 rows = slice(s0, s0 + step)
                 slots = g.kv_slots[rows]  # (s, L)

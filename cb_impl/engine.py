@@ -27,6 +27,14 @@ from cb_impl.support import check_supported
 from reference.spec import Rollout, RolloutRequest, SamplingParams
 
 
+def to_host(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
+    """A step's tokens (R,) int64 and log-probs (R,) float32 as host lists, in one device-to-host copy (a float64
+    tensor holds both exactly: token ids are far below 2**53, float32 widens without rounding)."""
+    both = torch.cat([tokens.double(), logprobs.double()]).to("cpu", copy=True).tolist()  # (2R,)
+    num = len(both) // 2
+    return [int(t) for t in both[:num]], both[num:]
+
+
 class EngineStepError(RuntimeError):
     """The model raised during a step; ``request_ids`` were failed and freed, the engine is still usable."""
 
@@ -110,6 +118,10 @@ class LLMEngine:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         t1 = time.perf_counter()
+        if not batch.chunks:  # an idle engine; with work left, a scheduler that cannot progress (its invariant)
+            if self.has_unfinished():
+                raise RuntimeError(f"the scheduler scheduled nothing with {len(self._live)} requests unfinished")
+            return []
         try:
             with self.runner.attached():
                 logits = self.runner.run(batch)  # (R, V)
@@ -122,8 +134,10 @@ class LLMEngine:
                     self._sampling = build_sampling_batch([s.sampler_row for s in seqs], logits.device)
                     positions = int64_tensor([s.num_completion_tokens for s in seqs], logits.device)  # (R,)
                 self._sampled_seqs, self._positions = seqs, positions
-                tokens, logprobs = sample(logits, self._sampling, positions)
-                tokens, logprobs = tokens.tolist(), logprobs.tolist()  # host: one copy of each
+                tuning = self.runner.tuning
+                tokens, logprobs = sample(logits, self._sampling, positions, tuning.sample_budget,
+                                          tuning.race_min_vocab)  # fmt: skip
+                tokens, logprobs = to_host(tokens, logprobs)
         except Exception as err:
             touched = [s for s, _ in batch.chunks] + batch.samples  # and the followers of each, forked or not
             failed = list({id(s): s for s in touched + [f for s in touched for f in s.followers]}.values())

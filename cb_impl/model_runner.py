@@ -22,6 +22,7 @@ from cb_impl.config import EngineConfig
 from cb_impl.kv_cache import PagedKVCache, bytes_per_block, plan_num_blocks
 from cb_impl.scheduler import ScheduledBatch
 from cb_impl.support import CONTEXT_FIELDS, context_length
+from cb_impl.tuning import tuning_for
 
 
 def int64_tensor(values: Iterable[int], device: torch.device) -> torch.Tensor:
@@ -67,6 +68,8 @@ class ModelRunner:
                                   num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
                                   device=self.device)  # fmt: skip
         self.attention = PagedAttention(self.cache, torch.float64 if config.float64_attention else None)
+        self.tuning = tuning_for(self.device)
+        self.attention.gather_budget = self.tuning.gather_budget
         self.attention._targets(model)  # a model that refuses a custom attention fails here, not at the first step
         self._depth = self.num_pairs = self.num_padded_pairs = 0
         self._decodes: tuple | None = None  # the last step if it decoded only: (chunks, starts, grid, l_max, all_full)
@@ -115,7 +118,7 @@ class ModelRunner:
             q_max, l_max = max(lengths[c] for c in members), max(ends)
             sel = slice(None) if len(members) == num_chunks else int64_tensor(members, dev)
             groups.append(build_group(starts_t[sel], lengths_t[sel], offsets_t[sel], grid[sel], q_max, l_max,
-                                      min(ends) == l_max))  # fmt: skip
+                                      min(ends) == l_max, sum(lengths[c] for c in members)))  # fmt: skip
         padded = sum(int(g.q_index.numel()) * int(g.kv_slots.shape[1]) for g in groups)
         pairs = (lengths_t * (2 * starts_t + lengths_t + 1)).sum() // 2  # a device scalar: no sync for a statistic
         meta = StepMetadata(grid[chunk_of, positions], tuple(groups), pairs, padded)
@@ -125,7 +128,7 @@ class ModelRunner:
                          all_full: bool) -> tuple[torch.Tensor, torch.Tensor, StepMetadata, torch.Tensor]:  # fmt: skip
         """Decodes only: chunk c is row c, its token at ``starts[c]``; ``l_max`` / ``all_full`` as in build_group."""
         rows = torch.arange(len(chunks), device=self.device)  # (C,)
-        group = build_group(starts, torch.ones_like(starts), rows, grid, 1, l_max, all_full)
+        group = build_group(starts, torch.ones_like(starts), rows, grid, 1, l_max, all_full, len(chunks))
         meta = StepMetadata(grid[rows, starts], (group,), (starts + 1).sum(), len(chunks) * l_max)
         self._decodes = (chunks, starts, grid, l_max, all_full)
         return int64_tensor(ids, self.device)[None], starts[None], meta, rows
@@ -140,9 +143,12 @@ class ModelRunner:
         if not batch.samples:  # partial prefills only: keys and values are written, one row of logits is dropped
             last_rows, rows = last_rows[-1:], last_rows[:0]
         elif batch.num_partial_prefills or len(batch.samples) != len(batch.chunks):
-            sample_chunks = int64_tensor(batch.sample_chunks, self.device)  # (R,) non-decreasing
-            kept, rows = torch.unique_consecutive(sample_chunks, return_inverse=True)  # (U,), (R,)
-            last_rows = last_rows[kept]
+            kept, inverse = [], []  # the chunks that sample (U,) and each sample's row among them (R,), on the host
+            for chunk in batch.sample_chunks:  # non-decreasing
+                if not kept or kept[-1] != chunk:
+                    kept.append(chunk)
+                inverse.append(len(kept) - 1)
+            last_rows, rows = last_rows[int64_tensor(kept, self.device)], int64_tensor(inverse, self.device)
         self.num_pairs += meta.num_pairs
         self.num_padded_pairs += meta.num_padded_pairs
         with self.attached():

@@ -19,10 +19,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from cb_impl.noise import gumbel_race, seed_key, step_keys
+from cb_impl.noise import RACE_MIN_VOCAB, gumbel_race, seed_key, step_keys
 from reference.spec import SamplingParams
 
-SAMPLE_BUDGET = 1 << 18  # logits per slice of sampled rows: heap-reused temporaries, not a fresh mmap (page faults)
+SAMPLE_BUDGET = 1 << 18  # CPU: logits per slice of sampled rows, heap-reused temporaries, not a fresh mmap (faults)
 SamplingRow = tuple[tuple[float, float, float], tuple[int, int]] | None
 
 
@@ -71,7 +71,8 @@ def build_sampling_batch(rows: Sequence[SamplingRow], device: torch.device) -> S
             ints.extend(row[1])
     f = torch.frombuffer(floats, dtype=torch.float32).view(-1, 3)  # (1 + Rs, 3)
     q = torch.frombuffer(ints, dtype=torch.int64).view(-1, 2)  # (1 + Rs, 2)
-    flags = (int(q[:, 0].max()), bool((f[:, 1] >= 0).any()), bool((f[:, 2] > 0).any()))
+    kept = [row for row in rows if row is not None]  # the host flags, read off the rows (no tensor read back)
+    flags = (max((r[1][0] for r in kept), default=0), any(r[0][1] >= 0 for r in kept), any(r[0][2] > 0 for r in kept))
     f, q = f[1:].to(device), q[1:].to(device)  # (Rs, 3) float32, (Rs, 2) int64
     return SamplingBatch(greedy, sampled, temperature=f[:, :1], top_k=q[:, 0], top_p_threshold=f[:, 1],
                          min_p=f[:, 2], seed_keys=q[:, 1].to(torch.int32),
@@ -106,32 +107,34 @@ def _greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return chosen, logits.log_softmax(dim=-1).gather(1, chosen[:, None]).squeeze(1)
 
 
-def _sampled(logits: torch.Tensor, b: SamplingBatch, positions: torch.Tensor,
-             budget: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    step = max(1, budget // logits.shape[1])  # rows per slice: rows are independent, slicing changes nothing
+def _sampled(logits: torch.Tensor, b: SamplingBatch, positions: torch.Tensor, budget: int | None,
+             race_min_vocab: int | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    step = logits.shape[0] if budget is None else max(1, budget // logits.shape[1])  # rows per slice (independent)
     if logits.shape[0] > step:
-        parts = [_sampled(logits[i : i + step], b.rows(slice(i, i + step)), positions[i : i + step], budget)
-                 for i in range(0, logits.shape[0], step)]  # fmt: skip
+        parts = [_sampled(logits[i : i + step], b.rows(slice(i, i + step)), positions[i : i + step], budget,
+                          race_min_vocab) for i in range(0, logits.shape[0], step)]  # fmt: skip
         return torch.cat([t for t, _ in parts]), torch.cat([lp for _, lp in parts])
     processed = process_logits(logits, b)  # (Rs, V)
-    chosen = gumbel_race(processed, step_keys(b.seed_keys, positions))  # (Rs,)
+    min_vocab = logits.shape[1] + 1 if race_min_vocab is None else race_min_vocab  # None: exact noise everywhere
+    chosen = gumbel_race(processed, step_keys(b.seed_keys, positions), min_vocab)  # (Rs,)
     return chosen, processed.gather(1, chosen[:, None]).squeeze(1)
 
 
-def sample(logits: torch.Tensor, b: SamplingBatch, positions: torch.Tensor,
-           budget: int = SAMPLE_BUDGET) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def sample(logits: torch.Tensor, b: SamplingBatch, positions: torch.Tensor, budget: int | None = SAMPLE_BUDGET,
+           race_min_vocab: int | None = RACE_MIN_VOCAB) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Tokens (R,) int64 and their processed log-probs (R,) float32 for logits (R, V) of any float dtype, the rows
-    sampling the tokens at completion ``positions`` (R,) int64; sampled rows run in slices of ``budget`` logits.
+    sampling the tokens at completion ``positions`` (R,) int64; sampled rows run in slices of ``budget`` logits
+    (``None``: one slice) and race from ``race_min_vocab`` tokens (``None``: exact noise for every token).
     Needs R >= 1: a step that samples nothing must not reach the sampler (``cb_impl.model_runner``'s invariant)."""
     if logits.shape[0] == 0:
         raise ValueError("sample() got no rows: a step that samples nothing must not reach the sampler")
     logits = logits.float()
     if not b.greedy_rows:
-        return _sampled(logits, b, positions, budget)
+        return _sampled(logits, b, positions, budget, race_min_vocab)
     if not b.sampled_rows:
         return _greedy(logits)
     tokens, logprobs = (logits.new_empty(logits.shape[0], dtype=d) for d in (torch.int64, torch.float32))  # (R,) each
     g, s = (torch.tensor(rows, device=logits.device) for rows in (b.greedy_rows, b.sampled_rows))
     tokens[g], logprobs[g] = _greedy(logits[g])
-    tokens[s], logprobs[s] = _sampled(logits[s], b, positions[s], budget)
+    tokens[s], logprobs[s] = _sampled(logits[s], b, positions[s], budget, race_min_vocab)
     return tokens, logprobs

@@ -91,7 +91,7 @@ def test_a_group_masks_exactly_the_causal_window_of_each_query(chunks, window):
     tables = [[(5 * s + 2 * j + 1) % 97 for j in range(width)] for s in range(len(chunks))]  # distinct, unordered
     grid = slot_grid(torch.tensor(tables), bs)
     group = build_group(torch.tensor(starts), torch.tensor(lengths), torch.tensor(offsets), grid, q_max, l_max,
-                        all_full)  # fmt: skip
+                        all_full, sum(lengths))  # fmt: skip
     for s, (start, n) in enumerate(chunks):  # a key column's slot; padding columns read the sequence's position 0
         want = [tables[s][p // bs] * bs + p % bs if p < start + n else tables[s][0] * bs for p in range(l_max)]
         assert group.kv_slots[s].tolist() == want, (s, group.kv_slots[s])

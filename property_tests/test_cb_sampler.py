@@ -9,7 +9,16 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from cb_impl.noise import RACE_CHUNK, gumbel_race, gumbel_upper_bound, minus_gumbel, mix32_, seed_key, step_keys
+from cb_impl.noise import (
+    RACE_CHUNK,
+    RACE_MIN_VOCAB,
+    gumbel_race,
+    gumbel_upper_bound,
+    minus_gumbel,
+    mix32_,
+    seed_key,
+    step_keys,
+)
 from cb_impl.sampler import SAMPLE_BUDGET, SamplingBatch, build_sampling_batch, process_logits, sample, sampling_row
 from cbverify.tolerances import FP32, SAME_LOGITS_ATOL
 from property_tests.strategies import logits_batches, positions, sampling_params, seeds
@@ -31,8 +40,8 @@ def _batch(params: list[SamplingParams], row_seeds: list[int]) -> SamplingBatch:
 
 
 def _sample(logits: torch.Tensor, params: list[SamplingParams], row_seeds: list[int], row_positions: list[int],
-            budget: int = SAMPLE_BUDGET):  # fmt: skip
-    return sample(logits, _batch(params, row_seeds), torch.tensor(row_positions), budget)
+            budget: int | None = SAMPLE_BUDGET, race_min_vocab: int | None = RACE_MIN_VOCAB):  # fmt: skip
+    return sample(logits, _batch(params, row_seeds), torch.tensor(row_positions), budget, race_min_vocab)
 
 
 def _int32(bits: torch.Tensor) -> torch.Tensor:
@@ -80,8 +89,9 @@ def test_cb_sampler_matches_the_reference_rule_row_by_row(logits, data):
     """Same tokens (or a near-tie of the reference's decision score) and log-probs within ``SAME_LOGITS_ATOL``, per
     row, whatever the mix of greedy and sampled rows and parameters in the batch."""
     params, seeds, positions = _rows(data.draw, logits.shape[0])
-    budget = data.draw(st.sampled_from([SAMPLE_BUDGET, 1, 2 * logits.shape[1]]), label="budget")  # 1: row by row
-    tokens, logprobs = _sample(logits, params, seeds, positions, budget)
+    budget = data.draw(st.sampled_from([SAMPLE_BUDGET, 1, 2 * logits.shape[1], None]), label="budget")  # 1: by row
+    race = data.draw(st.sampled_from([RACE_MIN_VOCAB, 0, None]), label="race")  # None: exact noise everywhere
+    tokens, logprobs = _sample(logits, params, seeds, positions, budget, race)
     for r, (p, seed, pos) in enumerate(zip(params, seeds, positions, strict=True)):
         ref_token, ref_logprob = choose_token(logits[r], p, seed, pos)
         if int(tokens[r]) != ref_token:

@@ -1,4 +1,4 @@
-"""Nothing empty reaches cb_impl's model or sampler, on every bundled checkpoint (``cb_impl.model_runner``'s invariant).
+"""Nothing empty reaches cb_impl's model or sampler on any bundled checkpoint (``cb_impl.model_runner``'s invariant).
 
 For any batch, arrival plan, block size, per-step token budget (chunked prefill), seat count and memory budget
 (preemption), every forward the engine runs has at least one token and asks logits for at least one row, and the
@@ -81,7 +81,9 @@ def _sequence(num_tokens: int, block_table: list[int]) -> Sequence:
 def _group(num_seqs: int, q_len: int) -> StepMetadata:
     starts, lengths = torch.zeros(num_seqs, dtype=torch.int64), torch.full((num_seqs,), q_len, dtype=torch.int64)
     grid = slot_grid(torch.zeros(num_seqs, 1, dtype=torch.int64), 4)
-    group = build_group(starts, lengths, torch.arange(num_seqs) * q_len, grid, q_len, max(q_len, 1), True)
+    group = build_group(
+        starts, lengths, torch.arange(num_seqs) * q_len, grid, q_len, max(q_len, 1), True, num_seqs * q_len
+    )
     return StepMetadata(torch.zeros(num_seqs * q_len, dtype=torch.int64), (group,), torch.tensor(0), 0)
 
 

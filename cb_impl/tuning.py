@@ -1,0 +1,37 @@
+"""How cb_impl splits a step's work on each kind of device: the same tokens and log-probs either way.
+
+On a CPU, work is cut into cache-sized pieces: attention gathers at most ``GATHER_BUDGET`` keys per SDPA call, the
+sampler processes at most ``SAMPLE_BUDGET`` logits per slice, and the Gumbel race computes exact noise only for the
+tokens that can still win (its pruning reads indices back, which a CPU does cheaply). On an accelerator each of those
+is a kernel launch per piece and the race's index searches are host syncs, so there is one attention call per group
+per layer, one sampling pass per step and exact noise for every token: the number of kernels a step launches does not
+grow with the number of sequences in it (``property_tests/test_cb_dispatch.py`` counts them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cb_impl.attention import GATHER_BUDGET
+from cb_impl.noise import RACE_MIN_VOCAB
+from cb_impl.sampler import SAMPLE_BUDGET
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceTuning:
+    """``None`` = no limit: one piece (``gather_budget``: one SDPA per attention group; ``sample_budget``: one
+    sampling pass; ``race_min_vocab``: never race, exact noise for every token)."""
+
+    gather_budget: int | None
+    sample_budget: int | None
+    race_min_vocab: int | None
+
+
+CPU = DeviceTuning(gather_budget=GATHER_BUDGET, sample_budget=SAMPLE_BUDGET, race_min_vocab=RACE_MIN_VOCAB)
+ACCELERATOR = DeviceTuning(gather_budget=None, sample_budget=None, race_min_vocab=None)
+
+
+def tuning_for(device: torch.device | str) -> DeviceTuning:
+    return CPU if torch.device(device).type == "cpu" else ACCELERATOR

@@ -1,0 +1,107 @@
+"""On an accelerator's settings, the kernels a cb_impl step launches do not grow with the sequences in it.
+
+Each aten op a step dispatches is a kernel launch on a GPU, and each op that reads a device value back (``.item()``,
+``nonzero``, ``unique``, a device-to-host copy) stalls the host until the GPU catches up. So, counted with a
+``TorchDispatchMode`` on the CPU under ``cb_impl.tuning.ACCELERATOR`` (the settings a CUDA model gets):
+
+- a prefill step, a decode step that rebuilds its metadata and a decode step that advances the last one dispatch the
+  same ops, op for op, for 8 and for 256 sequences (so the same number per layer);
+- every step makes exactly one device-to-host copy (its tokens and log-probs) and no other op that reads back.
+
+Under the CPU's settings the attention is cut into cache-sized slices, so there the count grows with the batch (shown
+by the same counter, which keeps the property able to fail). Requests are mixed greedy and sampled, with top-k, top-p
+and min-p, a vocabulary big enough for the CPU's Gumbel race, so every branch of the sampler is on the path.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from cb_impl import tuning
+from cb_impl.config import EngineConfig
+from cb_impl.engine import LLMEngine
+from reference.models import load
+from reference.spec import RolloutRequest, SamplingParams
+
+aten = torch.ops.aten
+READ_BACK = {aten._local_scalar_dense.default, aten.nonzero.default, aten.unique_consecutive.default,
+             aten._unique2.default, aten.unique_dim.default, aten.masked_select.default}  # fmt: skip
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every dispatched op, and apart: ops that read a device value back and device-to-host copies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter = Counter()
+        self.read_back: Counter = Counter()
+        self.to_host = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.ops[str(func)] += 1
+        if func in READ_BACK or (func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None):
+            self.read_back[str(func)] += 1
+        if func is aten._to_copy.default and kwargs.get("device") == torch.device("cpu"):
+            self.to_host += 1
+        return func(*args, **kwargs)
+
+
+def _requests(n: int) -> list[RolloutRequest]:
+    kinds = [SamplingParams(max_new_tokens=4, temperature=0.0), SamplingParams(max_new_tokens=4, temperature=0.9),
+             SamplingParams(max_new_tokens=4, temperature=1.1, top_k=7, top_p=0.9, min_p=0.05)]  # fmt: skip
+    return [RolloutRequest(f"r{i}", (1, 5 + i % 7, 9, 3 + i % 5), kinds[i % 3], seed=i) for i in range(n)]
+
+
+def count_steps(model: torch.nn.Module, n: int, settings: tuning.DeviceTuning) -> list[OpCounter]:
+    """Counters of an engine's first three steps on ``n`` requests of 4-token prompts: the prefill (no sharing, so
+    one chunk each), a decode that builds its metadata, a decode that advances it."""
+    engine = LLMEngine(model, EngineConfig(num_blocks=n, block_size=16, max_batch_tokens=4 * n, max_num_seqs=n,
+                                           enable_prefix_sharing=False))  # fmt: skip
+    engine.runner.tuning, engine.runner.attention.gather_budget = settings, settings.gather_budget
+    for r in _requests(n):
+        engine.add_request(r)
+    counters = []
+    with engine.runner.attached():
+        for _ in range(3):
+            with OpCounter() as counter:
+                engine.step()
+            counters.append(counter)
+    return counters
+
+
+@pytest.fixture(scope="module")
+def chat_model() -> torch.nn.Module:
+    return load("tiny-qwen3-chat")[0]  # 2,048 tokens: the CPU race is on (>= RACE_MIN_VOCAB)
+
+
+def test_on_accelerator_settings_a_step_dispatches_the_same_ops_for_8_and_256_sequences_and_reads_back_once(
+    chat_model,
+):
+    small, large = (count_steps(chat_model, n, tuning.ACCELERATOR) for n in (8, 256))
+    layers = chat_model.config.num_hidden_layers
+    for step, (a, b) in enumerate(zip(small, large, strict=True)):
+        diff = {op: (a.ops[op], b.ops[op]) for op in a.ops | b.ops if a.ops[op] != b.ops[op]}
+        assert not diff, f"step {step}: ops whose count grows with the batch (8 vs 256 sequences): {diff}"
+        for c in (a, b):
+            assert c.to_host == 1, f"step {step}: {c.to_host} device-to-host copies, want one"
+            assert not c.read_back, f"step {step}: ops reading a device value back: {dict(c.read_back)}"
+        print(f"step {step}: {sum(a.ops.values())} ops ({sum(a.ops.values()) / layers:.1f} per layer) for 8 and 256")
+
+
+def test_on_cpu_settings_the_attention_is_sliced_so_the_count_grows_with_the_batch(chat_model):
+    small, large = (count_steps(chat_model, n, tuning.CPU) for n in (8, 256))
+    grows = [sum(b.ops.values()) > sum(a.ops.values()) for a, b in zip(small, large, strict=True)]
+    assert any(grows), "the CPU tuning no longer slices: the counter would not see a per-sequence launch"
+    print("cpu settings, ops per step for 8 / 256 sequences:",
+          [(sum(a.ops.values()), sum(b.ops.values())) for a, b in zip(small, large, strict=True)])  # fmt: skip
+
+
+def test_each_device_gets_its_tuning():
+    assert tuning.tuning_for("cpu") is tuning.CPU
+    assert tuning.tuning_for("cuda") is tuning.ACCELERATOR and tuning.tuning_for("cuda:1") is tuning.ACCELERATOR
+    assert tuning.ACCELERATOR.gather_budget is tuning.ACCELERATOR.sample_budget is None
