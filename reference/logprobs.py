@@ -11,6 +11,9 @@ the logits that predicted completion token ``i`` at row ``P - 1 + i``. Logits ar
   the kept set gets ``-inf``.
 - :func:`per_token_entropies`: the entropy of the same full-support distribution at each completion position.
 
+Each log-prob quantity is also a function of one pair's logits (:func:`logps_of`, :func:`processed_logps_of`,
+:func:`top_logprobs_of`): a caller that needs several of them for the same pair runs its forward once.
+
 Simplifications versus TRL: one unpadded forward per pair (TRL pads a batch and slices ``logits_to_keep``), no
 ``torch.compile``, no chunking of the vocabulary; TRL computes in the model's dtype, here the logits are always cast
 to float32 (or wider) first.
@@ -70,13 +73,19 @@ def per_token_logps(
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 for trainer log-probs (TRL divides by it), got {temperature}")
     _check_pairs(prompt_ids_list, completion_ids_list)
-    out: list[torch.Tensor] = []
-    for prompt, completion in zip(prompt_ids_list, completion_ids_list, strict=True):
-        logits = completion_logits(model, prompt, completion, grad=grad)  # (L, V)
-        logps = torch.log_softmax(logits / temperature, dim=-1)  # (L, V)
-        targets = torch.tensor(list(completion), dtype=torch.long, device=logits.device)  # (L,)
-        out.append(logps[torch.arange(len(targets), device=logits.device), targets])  # (L,)
-    return out
+    return [
+        logps_of(completion_logits(model, prompt, completion, grad=grad), completion, temperature)
+        for prompt, completion in zip(prompt_ids_list, completion_ids_list, strict=True)
+    ]
+
+
+def logps_of(logits: torch.Tensor, completion_ids: Sequence[int], temperature: float = 1.0) -> torch.Tensor:
+    """(L, V) teacher-forced logits (:func:`completion_logits`) -> (L,): ``log_softmax(logits / temperature)`` read at
+    each completion token, what :func:`per_token_logps` returns for one pair (callers that need several quantities of
+    the same rollout compute its logits once and read them all from it)."""
+    logps = torch.log_softmax(logits / temperature, dim=-1)  # (L, V)
+    targets = torch.tensor(list(completion_ids), dtype=torch.long, device=logits.device)  # (L,)
+    return logps[torch.arange(len(targets), device=logits.device), targets]  # (L,)
 
 
 def per_token_entropies(
@@ -107,12 +116,17 @@ def processed_per_token_logps(
     """Sampler-side log-probs: for each pair a float32 (L_i,) tensor of ``process_logits(row, sampling)[token]``,
     position by position (the distribution the token was sampled from; greedy: plain ``log_softmax``)."""
     _check_pairs(prompt_ids_list, completion_ids_list, sampling_list)
-    out: list[torch.Tensor] = []
-    for prompt, completion, sampling in zip(prompt_ids_list, completion_ids_list, sampling_list, strict=True):
-        logits = completion_logits(model, prompt, completion)  # (L, V)
-        values = [process_logits(logits[i], sampling)[token] for i, token in enumerate(completion)]
-        out.append(torch.stack(values) if values else torch.zeros(0, dtype=torch.float32, device=logits.device))
-    return out
+    return [
+        processed_logps_of(completion_logits(model, prompt, completion), completion, sampling)
+        for prompt, completion, sampling in zip(prompt_ids_list, completion_ids_list, sampling_list, strict=True)
+    ]
+
+
+def processed_logps_of(logits: torch.Tensor, completion_ids: Sequence[int], sampling: SamplingParams) -> torch.Tensor:
+    """(L, V) teacher-forced logits -> (L,): ``process_logits(row, sampling)[token]`` position by position, what
+    :func:`processed_per_token_logps` returns for one pair."""
+    values = [process_logits(logits[i], sampling)[token] for i, token in enumerate(completion_ids)]
+    return torch.stack(values) if values else torch.zeros(0, dtype=torch.float32, device=logits.device)
 
 
 def top_logprobs(
@@ -127,7 +141,13 @@ def top_logprobs(
     With ``sampling`` they are processed log-probs (``process_logits``), otherwise raw ``log_softmax(logits)``.
     Removed tokens appear as ``-inf`` when fewer than k tokens were kept.
     """
-    logits = completion_logits(model, prompt_ids, completion_ids)  # (L, V)
+    return top_logprobs_of(completion_logits(model, prompt_ids, completion_ids), k, sampling)
+
+
+def top_logprobs_of(
+    logits: torch.Tensor, k: int = 5, sampling: SamplingParams | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(L, V) teacher-forced logits -> :func:`top_logprobs`' ``(values, token_ids)``, both (L, k)."""
     if not 1 <= k <= logits.shape[-1]:
         raise ValueError(f"k must be in [1, vocab size {logits.shape[-1]}], got {k}")
     rows = [process_logits(row, sampling) if sampling is not None else torch.log_softmax(row, -1) for row in logits]
