@@ -8,6 +8,9 @@
   teacher-forced log-probs *of the engine's own tokens* (so RNG engines are checked too), in the semantics the
   engine declares; :func:`noise_positions` + :func:`judge_logprobs` scale them by the tier's unit per position.
 - :func:`mismatch` — Mismatch metrics via ``reference.metrics.mismatch_metrics`` (one source of truth).
+- :func:`teacher_force` — one rollout set teacher-forced once (:class:`TeacherForced`): the log-probs in the engine's
+  semantics, the trainer's log-probs for :func:`mismatch` and the tier's :class:`NoisePositions`, all read off one
+  forward per rollout; :func:`judge_logprobs` and :func:`mismatch` take it instead of forwarding again.
 
 Tokens are comparable when both sides follow the spec: greedy requests always, sampled ones only for engines that
 declare ``spec_sampling`` (:func:`tokens_comparable`).
@@ -16,14 +19,14 @@ declare ``spec_sampling`` (:func:`tokens_comparable`).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from cbverify.divergence import Divergence, boundary_tokens, compare_tokens, decision_scores, first_divergence
 from cbverify.engines import Capabilities, LogprobSemantics
-from cbverify.tolerances import Tier, logprob_scale
+from cbverify.tolerances import FP32, Tier, logprob_scale
 from reference import logprobs as ref_logprobs
 from reference.generate import process_logits
 from reference.metrics import mismatch_metrics
@@ -83,6 +86,20 @@ def teacher_forced_logprobs(
     raise ValueError(f"no teacher-forced log-probs for semantics {semantics!r}")
 
 
+def _semantics_logps(logits: torch.Tensor, request: RolloutRequest, completion, semantics) -> torch.Tensor:
+    """(L, V) -> (L,): :func:`teacher_forced_logprobs` of one rollout, read off its logits."""
+    if semantics == "processed":
+        return ref_logprobs.processed_logps_of(logits, completion, request.sampling)
+    if semantics == "raw":
+        return ref_logprobs.logps_of(logits, completion, 1.0)
+    raise ValueError(f"no teacher-forced log-probs for semantics {semantics!r}")
+
+
+def trainer_temperature(request: RolloutRequest) -> float:
+    """The temperature TRL's trainer divides by for this request's rollout: the request's, 1 for greedy."""
+    return request.sampling.temperature if not request.sampling.greedy else 1.0
+
+
 @dataclass(frozen=True, slots=True)
 class NoisePositions:
     """Per rollout, per position (each (L_i,)): the tier's unit (``Tier.unit`` of the teacher-forced row's largest
@@ -102,20 +119,40 @@ def noise_positions(
     when ``tier.ulp > 0``; none in float32, where every unit is 1 and no position is at a cut)."""
     units, cuts = [], []
     for request, rollout in zip(requests, rollouts, strict=True):
-        n = len(rollout.completion_ids)
-        if tier.ulp == 0:
-            units.append(torch.ones(n, dtype=torch.float64))  # (L,)
-            cuts.append(torch.zeros(n, dtype=torch.bool))  # (L,)
-            continue
-        logits = ref_logprobs.completion_logits(model, request.prompt_ids, rollout.completion_ids).cpu()  # (L, V)
+        logits = None
+        if tier.ulp > 0:
+            logits = ref_logprobs.completion_logits(model, request.prompt_ids, rollout.completion_ids)  # (L, V)
+        unit, cut = _positions_of(logits, request, rollout, semantics, tier)
+        units.append(unit)
+        cuts.append(cut)
+    return NoisePositions(units, cuts, tier.logprob_max_abs)
+
+
+def _positions_of(
+    logits: torch.Tensor | None,
+    request: RolloutRequest,
+    rollout: Rollout,
+    semantics: LogprobSemantics,
+    tier: Tier,
+    *,
+    processed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rollout's units and cut flags (each (L,)) from its teacher-forced (L, V) logits (unread in float32).
+    ``processed``: its processed log-probs already read off the same host logits (``semantics == "processed"``),
+    so ``process_logits`` runs once per position."""
+    n = len(rollout.completion_ids)
+    unit = torch.ones(n, dtype=torch.float64)  # (L,)
+    cut = torch.zeros(n, dtype=torch.bool)  # (L,)
+    if tier.ulp > 0:
+        logits = logits.cpu()  # (L, V): one copy to the host, then the loop below reads host memory only
         sampling = request.sampling
         t = 1.0 if sampling.greedy or semantics == "raw" else sampling.temperature
-        unit = torch.ones(n, dtype=torch.float64)  # (L,)
-        cut = torch.zeros(n, dtype=torch.bool)  # (L,)
         for i, (row, token) in enumerate(zip(logits, rollout.completion_ids, strict=True)):
             scale = tier.unit(float(row.abs().max()))
-            processed = process_logits(row, sampling) if semantics == "processed" else torch.log_softmax(row, -1)
-            logp = float(processed[token])
+            if semantics == "processed":
+                logp = float(processed[i]) if processed is not None else float(process_logits(row, sampling)[token])
+            else:
+                logp = float(torch.log_softmax(row, -1)[token])
             # each logit moves by <= d (score units): log p moves by <= log(p + (1 - p) e^(2d)) (-> 2d as p -> 0,
             # -> 0 as p -> 1), plus one ulp of the log-prob's own value (an engine may round it to the dtype)
             d = tier.near_tie_gap / 2 * scale / t
@@ -126,9 +163,7 @@ def noise_positions(
             if semantics == "processed":
                 edge = boundary_tokens(row, sampling, tier.near_tie_gap / 2 * scale)  # (V,)
                 cut[i] = bool(edge.any()) and (math.isfinite(logp) or bool(edge[token]))
-        cuts.append(cut)
-        units.append(unit)
-    return NoisePositions(units, cuts, tier.logprob_max_abs)
+    return unit, cut
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,21 +224,97 @@ def logprob_diffs(
     return LogprobDiff(max(worst, 0.0), mean, count, *worst_at, max(worst_units, 0.0), mean_units, skipped)
 
 
+@dataclass(frozen=True, slots=True)
+class TeacherForced:
+    """One rollout set teacher-forced once: what every comparison of it reads, per rollout (each (L_i,)).
+
+    - ``expected``: the reference's log-probs of the rollout's own tokens in ``semantics``
+      (:func:`teacher_forced_logprobs`);
+    - ``trainer``: TRL's trainer log-probs of the same tokens, ``log_softmax(logits / T)`` at the request's
+      temperature (1 for greedy), for :func:`mismatch`;
+    - ``positions``: the tier's :class:`NoisePositions`;
+    - ``request_ids``: the rollouts it was computed for (a reader given another set refuses it); ``forwards``: the
+      model forwards it took (one per rollout with a completion; an empty completion needs none).
+    """
+
+    semantics: LogprobSemantics
+    expected: list[torch.Tensor]
+    trainer: list[torch.Tensor]
+    positions: NoisePositions
+    request_ids: tuple[str, ...]
+    forwards: int
+
+    def check(self, rollouts: Sequence[Rollout]) -> None:
+        """Refuse a rollout set other than the one this was computed for."""
+        if tuple(r.request_id for r in rollouts) != self.request_ids:
+            raise ValueError("teacher-forced quantities of another rollout set")
+
+
+def teacher_force(
+    model,
+    requests: Sequence[RolloutRequest],
+    rollouts: Sequence[Rollout],
+    semantics: LogprobSemantics,
+    tier: Tier,
+    *,
+    progress: Callable[[int], object] | None = None,
+) -> TeacherForced:
+    """:class:`TeacherForced` for ``rollouts``: one unpadded forward per rollout (``reference.logprobs.
+    completion_logits``, the oracle's own teacher forcing: the tiers were measured against it, and a padded or
+    batched forward moves bf16 logits by up to a unit), copied to the host once, every quantity read off that copy.
+    ``progress(1)`` is called after each rollout."""
+    if semantics not in ("processed", "raw"):
+        raise ValueError(f"no teacher-forced log-probs for semantics {semantics!r}")
+    expected, trainer, units, cuts, forwards = [], [], [], [], 0
+    for request, rollout in zip(requests, rollouts, strict=True):
+        completion = rollout.completion_ids
+        forwards += bool(completion)  # completion_logits runs no forward for an empty completion
+        logits = ref_logprobs.completion_logits(model, request.prompt_ids, completion).cpu()  # (L, V)
+        expected.append(_semantics_logps(logits, request, completion, semantics))  # (L,)
+        trainer.append(ref_logprobs.logps_of(logits, completion, trainer_temperature(request)))  # (L,)
+        processed = expected[-1] if semantics == "processed" else None
+        unit, cut = _positions_of(logits, request, rollout, semantics, tier, processed=processed)
+        units.append(unit)
+        cuts.append(cut)
+        if progress is not None:
+            progress(1)
+    positions = NoisePositions(units, cuts, tier.logprob_max_abs)
+    ids = tuple(r.request_id for r in rollouts)
+    return TeacherForced(semantics, expected, trainer, positions, ids, forwards)
+
+
 def judge_logprobs(
-    model, requests: Sequence[RolloutRequest], rollouts: Sequence[Rollout], semantics: LogprobSemantics, tier: Tier
+    model,
+    requests: Sequence[RolloutRequest],
+    rollouts: Sequence[Rollout],
+    semantics: LogprobSemantics,
+    tier: Tier,
+    *,
+    forced: TeacherForced | None = None,
 ) -> LogprobDiff:
     """The engine's returned log-probs against teacher forcing on its own tokens, in ``tier``'s units: what
-    ``cbverify verify`` judges (``.within(tier)``)."""
-    expected = teacher_forced_logprobs(model, requests, rollouts, semantics)
-    return logprob_diffs(rollouts, expected, requests, noise_positions(model, requests, rollouts, semantics, tier))
+    ``cbverify verify`` judges (``.within(tier)``). ``forced``: the rollouts' :func:`teacher_force` (in ``semantics``
+    and ``tier``), computed here when not given."""
+    if forced is None:
+        forced = teacher_force(model, requests, rollouts, semantics, tier)
+    forced.check(rollouts)
+    if forced.semantics != semantics or forced.positions.bound != tier.logprob_max_abs:
+        raise ValueError("teacher-forced quantities of another semantics or tier")
+    return logprob_diffs(rollouts, forced.expected, requests, forced.positions)
 
 
-def mismatch(model, requests: Sequence[RolloutRequest], rollouts: Sequence[Rollout]) -> dict[str, float]:
+def mismatch(
+    model,
+    requests: Sequence[RolloutRequest],
+    rollouts: Sequence[Rollout],
+    *,
+    forced: TeacherForced | None = None,
+) -> dict[str, float]:
     """Mismatch metrics of the engine's (sampler) log-probs against trainer-side log-probs of the same tokens
-    (TRL semantics: ``log_softmax(logits / T)``, T = the request's temperature, 1 for greedy)."""
-    trainer, sampler = [], []
-    for request, rollout in zip(requests, rollouts, strict=True):
-        temperature = request.sampling.temperature if not request.sampling.greedy else 1.0
-        trainer += ref_logprobs.per_token_logps(model, [request.prompt_ids], [rollout.completion_ids], temperature)
-        sampler.append(torch.tensor(rollout.logprobs, dtype=torch.float64))  # (L_i,)
-    return mismatch_metrics(trainer, sampler)
+    (TRL semantics: ``log_softmax(logits / T)``, T = the request's temperature, 1 for greedy). ``forced``: the
+    rollouts' :func:`teacher_force` (any semantics), computed here when not given."""
+    if forced is None:
+        forced = teacher_force(model, requests, rollouts, "raw", FP32)
+    forced.check(rollouts)
+    sampler = [torch.tensor(r.logprobs, dtype=torch.float64) for r in rollouts]  # (L_i,) each
+    return mismatch_metrics(forced.trainer, sampler)
