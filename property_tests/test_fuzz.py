@@ -5,6 +5,7 @@ the ``generate_batch`` entry point, whose every check is shown to fail on a plan
 from __future__ import annotations
 
 import copy
+import json
 import subprocess
 import sys
 from dataclasses import replace
@@ -29,8 +30,10 @@ from property_tests.helpers import needs_vllm
 from property_tests.strategies import generation_layers, ngram_sequences
 from reference import tasks
 from reference.generate import next_token_logits
+from reference.models import BUNDLED
 
 DEFAULT_EXAMPLES = 4  # ~4 s each on one thread: the default suite keeps the fuzz under a minute
+CB_IMPL_EXAMPLES = 6  # cb_impl's search, shared by the bundled checkpoints (~1 s each)
 VLLM_EXAMPLES = 6  # ~10-15 s each (a vLLM worker per case): make test-vllm
 
 
@@ -75,6 +78,19 @@ def test_a_small_fuzz_of_transformers_cb_finds_only_registered_failures(llama):
     report = explore(llama.model, "transformers-cb", model_name="tiny-llama-arith", examples=DEFAULT_EXAMPLES)
     assert report.examples == DEFAULT_EXAMPLES
     assert not report.unregistered, [(c.check, c.detail) for c in report.unregistered]
+
+
+@pytest.mark.parametrize("model", BUNDLED)
+def test_a_small_fuzz_of_cb_impl_on_each_bundled_checkpoint_finds_no_failure(model, tmp_path, capsys):
+    """``cbverify fuzz --engine cb_impl`` on every bundled checkpoint, :data:`CB_IMPL_EXAMPLES` shared among them: our
+    engine has no registered finding, so any failure class fails the command and this test."""
+    from cbverify.cli import main
+
+    examples = max(1, CB_IMPL_EXAMPLES // len(BUNDLED))
+    out = tmp_path / "fuzz.json"
+    code = main(["fuzz", "--engine", "cb_impl", "--model", model, "--examples", str(examples), "--json", str(out)])
+    summary = json.loads(out.read_text())
+    assert (code, summary["examples"], summary["classes"]) == (0, examples, []), capsys.readouterr().out[-3000:]
 
 
 @pytest.mark.vllm
@@ -435,3 +451,119 @@ def test_the_cli_fuzzes_generate_batch_and_reports_decisive_checks(tmp_path, cap
     payload = json.loads((tmp_path / "r.json").read_text())
     assert payload["entry"] == "generate_batch" and payload["examples"] == 2
     assert payload["decisive"]["result-count"] >= 1 and "checks:" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------------------------- cb_impl repro scripts
+def _preemption_keeps_computed(monkeypatch):
+    """cb_impl's recompute preemption forgets to reset the computed-token count (``faulty.PreemptionKeepsComputed``,
+    on the class: the repro script builds its own engine)."""
+    from cb_impl.scheduler import Scheduler
+
+    preempt = Scheduler.preempt
+
+    def buggy(self, seq) -> None:
+        computed = seq.num_computed_tokens
+        preempt(self, seq)
+        seq.num_computed_tokens = computed
+
+    monkeypatch.setattr(Scheduler, "preempt", buggy)
+
+
+def _noise_one_position_ahead(monkeypatch):
+    """The sampler draws each token with the spec noise of the next completion position."""
+    import cb_impl.engine
+
+    sample = cb_impl.engine.sample
+
+    def ahead(logits, b, positions, *a):
+        return sample(logits, b, positions + 1, *a)
+
+    monkeypatch.setattr(cb_impl.engine, "sample", ahead)
+
+
+def _raw_logprobs(monkeypatch):
+    """The sampled tokens are right, their log-probs those of the raw distribution instead of the processed one."""
+    import cb_impl.engine
+
+    sample = cb_impl.engine.sample
+
+    def raw(logits, b, positions, *a):
+        tokens, _ = sample(logits, b, positions, *a)
+        return tokens, torch.log_softmax(logits.float(), -1).gather(1, tokens[:, None])[:, 0]
+
+    monkeypatch.setattr(cb_impl.engine, "sample", raw)
+
+
+def _cb_impl_case(model: str, n: int, max_new: int, config: dict, temperature: float) -> FuzzCase:
+    eos = (tasks.EOS_ID,) if temperature else ()
+    prompts = [tuple(tasks.prompt_ids(p))[:8] for p in tasks.make_problems(n, seed=3)]
+    reqs = tuple(FuzzRequest(f"r{i}", p, max_new, eos, temperature=temperature, seed=11 + i)
+                 for i, p in enumerate(prompts))  # fmt: skip
+    base = dict(block_size=4, num_blocks=16, max_batch_tokens=16, max_num_seqs=256, enable_prefix_sharing=False)
+    return FuzzCase("cb_impl", model, persistent=False, config={**base, **config},
+                    generation={"do_sample": bool(temperature)}, steps=(Step("call", reqs),))  # fmt: skip
+
+
+CB_IMPL_FAULTS = {  # fault -> (the case that shows it, the check that must fail)
+    "preemption-keeps-computed": (_preemption_keeps_computed,
+                                  _cb_impl_case("tiny-llama-arith", 3, 8, {"num_blocks": 5}, 0.0), "engine-crash"),
+    "noise-one-position-ahead": (_noise_one_position_ahead, _cb_impl_case("tiny-qwen2-random", 2, 6, {}, 1.0),
+                                 "tokens"),
+    "raw-logprobs": (_raw_logprobs, _cb_impl_case("tiny-qwen2-random", 2, 6, {}, 0.7), "logprobs"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("fault", CB_IMPL_FAULTS)
+def test_a_written_cb_impl_repro_script_fails_on_a_faulty_cb_impl_and_passes_on_the_real_one(
+    request, tmp_path, monkeypatch, capsys, fault
+):  # fmt: skip
+    """The fuzz judge fails the case on cb_impl with one planted fault; the repro script written for that failure
+    (run in this process, so it builds the patched engine) exits 1 with the check REPRODUCED, and, the fault removed,
+    the judge and the same script both pass it (exit 0)."""
+    import runpy
+
+    plant, case, check = CB_IMPL_FAULTS[fault]
+    model = request.getfixturevalue("llama" if case.model == "tiny-llama-arith" else "qwen2").model
+
+    def judged() -> set[str]:
+        pristine = Pristine(model)
+        try:
+            return run_case(model, case).checks
+        finally:
+            pristine.restore()
+
+    def script_exit() -> tuple[int, str]:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as done:
+            runpy.run_path(str(script), run_name="__main__")
+        return done.value.code, capsys.readouterr().out
+
+    plant(monkeypatch)
+    assert check in judged()
+    script = repro.write(tmp_path, case, check, "planted", None)[-1]
+    assert script.suffix == ".py"
+    code, out = script_exit()
+    assert (code, f"{check}: REPRODUCED") == (1, out.splitlines()[-1]), out
+    monkeypatch.undo()
+    assert not judged()
+    code, out = script_exit()
+    assert (code, f"{check}: not reproduced") == (0, out.splitlines()[-1]), out
+
+
+def test_a_written_cb_impl_repro_script_runs_standalone(tmp_path):
+    """The shrunk case of a real cb_impl crash (`cbverify fuzz --engine cb_impl --model tiny-qwen3-chat`: a step of
+    partial prefills only reached the sampler with zero rows), written by ``repro.write`` and run as a user runs it
+    (its own process, another folder): it needs no cbverify, and on the fixed engine it says not reproduced, exit 0."""
+    import re
+
+    req = FuzzRequest("c0-p1-g2", (1, 20, 16, 24), 1, (2,), temperature=1.0, top_k=0, top_p=1.0, seed=50)
+    case = FuzzCase("cb_impl", "tiny-qwen3-chat", persistent=False, generation={"do_sample": True, "min_p": None},
+                    config={"block_size": 2, "enable_prefix_sharing": True, "max_batch_tokens": 2, "max_num_seqs": 1,
+                            "num_blocks": 16}, steps=(Step("call", (req,)),))  # fmt: skip
+    detail = "EngineStepError: model step failed for requests ['c0-p1-g2']: RuntimeError: cannot reshape tensor of 0"
+    script = repro.write(tmp_path / "out", case, "engine-crash", detail, None)[-1]
+    assert not re.search(r"^\s*(from|import)\s+cbverify", script.read_text(), re.M)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines()[-1] == "engine-crash: not reproduced", done.stdout
+    assert "c0-p1-g2: engine [" in done.stdout and "c0-p1-g2: oracle [" in done.stdout
