@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 
 from cb_impl.kv_cache import PagedKVCache
@@ -125,6 +126,24 @@ def explicit_attention(
     return scores.softmax(dim=-1)[..., : k.shape[2]] @ v
 
 
+def folded_gqa_attention(
+    q: torch.Tensor,  # (s, Hq, Q, D)
+    k: torch.Tensor,  # (s, Hkv, L, D)
+    v: torch.Tensor,  # (s, Hkv, L, D)
+    mask: torch.Tensor | None,  # (s, 1, Q, L) True = attend
+    scale: float | None,
+) -> torch.Tensor:  # (s, Hq, Q, D)
+    """SDPA with grouped queries folded into the query length: query head ``h`` reads key head ``h // G``
+    (transformers' ``repeat_kv``), so the ``G`` heads of a group become ``G * Q`` query rows of one key head. No key
+    or value is repeated, and kernels without ``enable_gqa`` (memory-efficient attention, which takes a mask) apply."""
+    s, hq, q_len, d = q.shape
+    g = hq // k.shape[1]
+    folded = q.reshape(s, k.shape[1], g * q_len, d)  # (s, Hkv, G * Q, D): row g * Q + i is head kv * G + g, query i
+    if mask is not None:
+        mask = mask.expand(s, 1, q_len, mask.shape[-1]).repeat(1, 1, g, 1)  # (s, 1, G * Q, L)
+    return F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scale).view(s, hq, q_len, d)
+
+
 class PagedAttention:
     """The attention function registered under ``name``; reads the metadata of the step being run."""
 
@@ -135,6 +154,7 @@ class PagedAttention:
         self.compute_dtype = compute_dtype  # None: the query's dtype
         self.metadata: StepMetadata | None = None
         self.gather_budget: int | None = GATHER_BUDGET  # None: one call per group; tests lower it to slice more
+        self.sdpa_backends: tuple[SDPBackend, ...] | None = None  # None: SDPA picks any kernel
         self._swap: tuple[torch.nn.Module, list] | None = None
         self.name = f"cb_impl_paged_{next(self._ids)}"
         AttentionInterface.register(self.name, self.__call__)
@@ -155,7 +175,15 @@ class PagedAttention:
         out = torch.empty_like(q)  # (T, Hq, D)
         k_cache, v_cache = self.cache.key[layer], self.cache.value[layer]  # (slots, Hkv, D)
         dtype = self.compute_dtype or q.dtype
-        for g in meta.groups:
+        with nullcontext() if self.sdpa_backends is None else sdpa_kernel(list(self.sdpa_backends)):
+            self._attend(q, out, k_cache, v_cache, meta.groups, dtype, window, scaling, softcap, sinks)
+        return out[None], None  # (1, T, Hq, D)
+
+    def _attend(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                groups: tuple[AttentionGroup, ...], dtype: torch.dtype, window: int | None, scaling: float | None,
+                softcap: float | None, sinks: torch.Tensor | None) -> None:  # fmt: skip
+        """Each group's attention into ``out`` (T, Hq, D), from the query (T, Hq, D) and one layer's cache."""
+        for g in groups:
             (num_seqs, q_len), kv_len = g.q_index.shape, g.kv_slots.shape[1]
             in_order = q_len == 1 and num_seqs == q.shape[0]  # decodes only: row s is sequence s's query, in place
             og = out[:, None] if in_order else q.new_empty(num_seqs, q_len, *q.shape[1:])  # (S, Q, Hq, D)
@@ -173,7 +201,9 @@ class PagedAttention:
                 kg = k_cache.index_select(0, flat).view(shape).transpose(1, 2).to(dtype)  # (s, Hkv, L, D)
                 vg = v_cache.index_select(0, flat).view(shape).transpose(1, 2).to(dtype)  # (s, Hkv, L, D)
                 mask = None if group_mask is None else group_mask[rows]  # (s, 1, Q, L)
-                if softcap is None and sinks is None:
+                if softcap is None and sinks is None and self.sdpa_backends is not None:
+                    o = folded_gqa_attention(qg, kg, vg, mask, scaling)  # (s, Hq, Q, D)
+                elif softcap is None and sinks is None:
                     o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scaling, enable_gqa=True)
                 else:
                     scale = scaling if scaling is not None else qg.shape[-1] ** -0.5
@@ -181,7 +211,6 @@ class PagedAttention:
                 og[rows] = o.transpose(1, 2)  # (s, Q, Hq, D)
             if not in_order:
                 out[g.dst_rows] = og.flatten(0, 1)[g.valid_flat]  # valid rows only
-        return out[None], None  # (1, T, Hq, D)
 
     def _targets(self, model: torch.nn.Module) -> list:
         """The config objects whose attention setting routes ``model``'s layers, found once by letting transformers

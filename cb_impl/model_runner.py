@@ -22,7 +22,7 @@ from cb_impl.config import EngineConfig
 from cb_impl.kv_cache import PagedKVCache, bytes_per_block, plan_num_blocks
 from cb_impl.scheduler import ScheduledBatch
 from cb_impl.support import CONTEXT_FIELDS, context_length
-from cb_impl.tuning import tuning_for
+from cb_impl.tuning import DeviceTuning, tuning_for
 
 
 def int64_tensor(values: Iterable[int], device: torch.device) -> torch.Tensor:
@@ -68,11 +68,15 @@ class ModelRunner:
                                   num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
                                   device=self.device)  # fmt: skip
         self.attention = PagedAttention(self.cache, torch.float64 if config.float64_attention else None)
-        self.tuning = tuning_for(self.device)
-        self.attention.gather_budget = self.tuning.gather_budget
+        self.set_tuning(tuning_for(self.device))
         self.attention._targets(model)  # a model that refuses a custom attention fails here, not at the first step
         self._depth = self.num_pairs = self.num_padded_pairs = 0
         self._decodes: tuple | None = None  # the last step if it decoded only: (chunks, starts, grid, l_max, all_full)
+
+    def set_tuning(self, tuning: DeviceTuning) -> None:
+        """How the step's work is split (``cb_impl.tuning``): the device's own, or another's to test it here."""
+        self.tuning = tuning
+        self.attention.gather_budget, self.attention.sdpa_backends = tuning.gather_budget, tuning.sdpa_backends
 
     @contextmanager
     def attached(self) -> Iterator[None]:

@@ -19,9 +19,13 @@ from collections import Counter
 
 import pytest
 import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cb_impl import tuning
+from cb_impl.attention import folded_gqa_attention
 from cb_impl.config import EngineConfig
 from cb_impl.engine import LLMEngine
 from reference.models import load
@@ -62,7 +66,7 @@ def count_steps(model: torch.nn.Module, n: int, settings: tuning.DeviceTuning) -
     one chunk each), a decode that builds its metadata, a decode that advances it."""
     engine = LLMEngine(model, EngineConfig(num_blocks=n, block_size=16, max_batch_tokens=4 * n, max_num_seqs=n,
                                            enable_prefix_sharing=False))  # fmt: skip
-    engine.runner.tuning, engine.runner.attention.gather_budget = settings, settings.gather_budget
+    engine.runner.set_tuning(settings)
     for r in _requests(n):
         engine.add_request(r)
     counters = []
@@ -105,3 +109,18 @@ def test_each_device_gets_its_tuning():
     assert tuning.tuning_for("cpu") is tuning.CPU
     assert tuning.tuning_for("cuda") is tuning.ACCELERATOR and tuning.tuning_for("cuda:1") is tuning.ACCELERATOR
     assert tuning.ACCELERATOR.gather_budget is tuning.ACCELERATOR.sample_budget is None
+
+
+@given(s=st.integers(1, 3), kv_heads=st.integers(1, 3), group=st.integers(1, 4), q_len=st.integers(1, 5),
+       extra=st.integers(0, 6), seed=st.integers(0, 2**16), masked=st.booleans())  # fmt: skip
+def test_grouped_queries_folded_into_the_query_length_equal_sdpa_with_enable_gqa(s, kv_heads, group, q_len, extra,
+                                                                                  seed, masked):  # fmt: skip
+    """The accelerator's attention (``folded_gqa_attention``: a group's heads become query rows of its key head, so
+    kernels without ``enable_gqa`` apply) equals SDPA's own grouped-query attention, in float64."""
+    gen = torch.Generator().manual_seed(seed)
+    keys = q_len + extra
+    q = torch.randn(s, kv_heads * group, q_len, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(s, kv_heads, keys, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    mask = (torch.rand(s, 1, q_len, keys, generator=gen) > 0.4) | (torch.arange(keys) == 0) if masked else None
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(folded_gqa_attention(q, k, v, mask, None), want, rtol=0, atol=1e-12)
