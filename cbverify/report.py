@@ -1,22 +1,31 @@
 """One row per engine: run it on a workload, judge it with :mod:`cbverify.compare`, render text / Markdown / JSON.
 
 :func:`evaluate_engine` is what ``cbverify verify`` runs per engine and what the cross-engine tests can call for a
-whole-workload verdict; the checks it applies are exactly the functions the property tests use.
+whole-workload verdict; the checks it applies are exactly the functions the property tests use. :class:`Phases`
+times each phase of it (the row's ``phase_s``), shows it on stderr as a tqdm bar and can profile it with cProfile.
 """
 
 from __future__ import annotations
 
+import contextlib
+import cProfile
+import io
 import json
 import platform
+import pstats
+import re
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from cbverify import compare
 from cbverify.distribution import DistributionResult, distribution_test
-from cbverify.engines import Engine, NotApplicable
+from cbverify.engines import Engine, NotApplicable, clock
 from cbverify.tolerances import Tier
 from reference.spec import Rollout, RolloutRequest
 
@@ -46,6 +55,9 @@ class EngineRow:
     notes: list[str] = field(default_factory=list)  # what the run exercised (e.g. preemptions): facts, not verdicts
     # each check's (name, PASS / FAIL / NOT-APPLICABLE, reason) on this engine: what the verdict rests on
     checks: list[tuple[str, str, str]] = field(default_factory=list)
+    # wall seconds per phase (build, generate, tokens, teacher forcing, judge, distribution test), device synced
+    phase_s: dict[str, float] = field(default_factory=dict)
+    teacher_forced_forwards: int = 0  # model forwards the teacher forcing of this row's rollouts took
 
     @property
     def tokens_per_s(self) -> float:
@@ -62,25 +74,34 @@ def evaluate_engine(
     repro: str = "",
     dist_requests: Sequence[RolloutRequest] = (),
     dist_samples: int = 200,
+    phases: Phases | None = None,
+    label: str | None = None,
 ) -> EngineRow:
     """Run ``engine`` on ``requests`` and judge it against the reference's rollouts ``reference`` under ``tier``.
 
     PASS needs: complete, ordered results; the rollout conventions; identical tokens where comparable (divergences only
     at accepted near-ties); returned log-probs within the tier of the reference's teacher-forced ones (unless the
     engine returns none); and, for own-RNG engines given ``dist_requests``, the distribution test.
+
+    The rollouts are teacher-forced once (:func:`compare.teacher_force`: one forward per rollout) and every log-prob
+    comparison reads that. ``phases`` times (and shows) each phase under ``label`` (default: the engine's name).
     """
     row = EngineRow(engine.name)
+    phases = phases if phases is not None else Phases()
+    phase = lambda name, total=None: phases(label or engine.name, name, total, row)  # noqa: E731
     engine = _StateGuard(engine, model)
-    start = time.perf_counter()
     try:
-        rollouts = engine.generate(requests)
+        with phase("generate", len(requests)) as advance:
+            start = time.perf_counter()
+            rollouts = engine.generate(requests)
+            row.wall_s = time.perf_counter() - start
+            advance(len(rollouts))
     except NotApplicable as err:
         row.status, row.problems = "N/A", [err.reason]
         return row
     except Exception as err:  # surfaced in the report as a FAIL with the error, never swallowed silently
         row.problems = [f"generate raised {type(err).__name__}: {err}"]
         return row
-    row.wall_s = time.perf_counter() - start
     row.completion_tokens = sum(len(r.completion_ids) for r in rollouts)
     row.problems = compare.check_results(requests, rollouts)
     if row.problems:
@@ -89,24 +110,31 @@ def evaluate_engine(
         row.problems += compare.check_conventions(request, rollout)
     caps = engine.capabilities
     row.checks.append(("conventions", "FAIL" if row.problems else "PASS", f"{len(rollouts)} rollouts"))
-    for request, ref, got in zip(requests, reference, rollouts, strict=True):
-        if not compare.tokens_comparable(caps, request):
-            continue
-        row.tokens_compared += 1
-        div = compare.compare_tokens(model, request, ref, got, engine=engine.name, tier=tier, repro=repro)
-        if div is None:
-            row.tokens_equal += 1
-        else:
-            row.near_ties += div.accepted
-            row.divergences.append(div.describe())
-            if not div.accepted:
-                row.problems.append(f"request {request.request_id!r}: tokens diverge at position {div.position}")
+    with phase("tokens", len(requests)) as advance:
+        for request, ref, got in zip(requests, reference, rollouts, strict=True):
+            advance(1)
+            if not compare.tokens_comparable(caps, request):
+                continue
+            row.tokens_compared += 1
+            div = compare.compare_tokens(model, request, ref, got, engine=engine.name, tier=tier, repro=repro)
+            if div is None:
+                row.tokens_equal += 1
+            else:
+                row.near_ties += div.accepted
+                row.divergences.append(div.describe())
+                if not div.accepted:
+                    row.problems.append(f"request {request.request_id!r}: tokens diverge at position {div.position}")
     diverged = any(p.startswith("request ") and "tokens diverge" in p for p in row.problems)
     row.checks.append(("tokens", "FAIL" if diverged else "PASS", f"{row.tokens_compared} requests") if
                       row.tokens_compared else ("tokens", "NOT-APPLICABLE", "no request's tokens are fixed by the "
                                                 "spec (own RNG, sampled)"))  # fmt: skip
     if caps.logprob_semantics != "none":
-        diff = compare.judge_logprobs(model, requests, rollouts, caps.logprob_semantics, tier)
+        with phase("teacher forcing", len(rollouts)) as advance:
+            forced = compare.teacher_force(model, requests, rollouts, caps.logprob_semantics, tier, progress=advance)
+        row.teacher_forced_forwards = forced.forwards
+        with phase("judge"):
+            diff = compare.judge_logprobs(model, requests, rollouts, caps.logprob_semantics, tier, forced=forced)
+            metrics = compare.mismatch(model, requests, rollouts, forced=forced)
         row.logprob_max_diff, row.logprob_mean_diff = diff.max_abs, diff.mean_abs
         row.logprob_max_units, row.logprob_mean_units, row.at_cut = (
             diff.max_units,
@@ -122,10 +150,10 @@ def evaluate_engine(
                 f"{diff.worst_position}), mean {diff.mean_abs:.3g}; tier {tier.name} allows "
                 f"{tier.logprob_max_abs:g}/{tier.logprob_mean_abs:g}" + (" units" if tier.ulp else "")
             )
-        metrics = compare.mismatch(model, requests, rollouts)
         row.mismatch_kl, row.ess = metrics["mismatch_kl"], metrics["ess"]
     if dist_requests and not caps.spec_sampling:
-        result: DistributionResult = distribution_test(engine, model, dist_requests, num_samples=dist_samples)
+        with phase("distribution test"):
+            result: DistributionResult = distribution_test(engine, model, dist_requests, num_samples=dist_samples)
         row.distribution = f"{len(result.tests) - len(result.rejected)}/{len(result.tests)} ok"
         row.notes.append(f"distribution test: {result.power()}")
         if not result.passed:
@@ -137,6 +165,81 @@ def evaluate_engine(
     row.checks.append(("model state", "FAIL" if engine.changes else "PASS", ", ".join(engine.changes) or "unchanged"))
     row.status = "PASS" if not row.problems else "FAIL"
     return row
+
+
+class Phases:
+    """Wall seconds per (engine, phase) of a run; the phases that can take long (:attr:`BARS`) shown on stderr as a
+    tqdm bar while they run, once they have run :attr:`DELAY` seconds.
+
+    ``phases(engine, name, total, row)`` is a context manager yielding the bar's ``update`` (call it with the units
+    done); on exit the seconds (device synced, :func:`cbverify.engines.clock`) are added to ``seconds[(engine, name)]``
+    and to ``row.phase_s[name]`` when a row is given. ``progress=False`` (``--quiet``, the library default) shows
+    nothing; ``profile_dir`` also runs each phase under cProfile and writes ``<n>-<engine>-<phase>.prof`` there plus
+    ``summary.txt`` (each phase's top functions by own and by cumulative time). Nothing is ever written to stdout.
+    """
+
+    BARS = ("generate", "teacher forcing", "distribution test")  # the phases that can take long: a bar each
+    ORDER = ("build", "generate", "tokens", "teacher forcing", "judge", "distribution test")  # the table's columns
+
+    DELAY = 0.2  # seconds a phase runs before its bar appears: the many short phases of a small run stay quiet
+
+    def __init__(self, *, progress: bool = False, profile_dir: Path | None = None, device: str = "cpu") -> None:
+        self.progress, self.profile_dir, self.device = progress, profile_dir, device
+        self.seconds: dict[tuple[str, str], float] = {}
+        self._profiled = 0
+
+    @contextlib.contextmanager
+    def __call__(
+        self, engine: str, name: str, total: int | None = None, row: EngineRow | None = None
+    ) -> Iterator[Callable[[int], object]]:
+        shown = self.progress and name in self.BARS
+        bar = tqdm(total=total, desc=f"{engine}: {name}", disable=not shown, file=sys.stderr, leave=True,
+                   dynamic_ncols=True, delay=self.DELAY)  # fmt: skip
+        profiler = cProfile.Profile() if self.profile_dir is not None else None
+        start = clock(self.device)
+        if profiler is not None:
+            profiler.enable()
+        try:
+            yield bar.update
+        finally:
+            if profiler is not None:
+                profiler.disable()
+            seconds = clock(self.device) - start
+            bar.close()
+            self.seconds[(engine, name)] = self.seconds.get((engine, name), 0.0) + seconds
+            if row is not None:
+                row.phase_s[name] = row.phase_s.get(name, 0.0) + seconds
+            if profiler is not None:
+                self._dump(profiler, engine, name, seconds)
+
+    def note(self, line: str) -> None:
+        """One line on stderr (above any bar), unless progress is off."""
+        if self.progress:
+            tqdm.write(line, file=sys.stderr)
+
+    def _dump(self, profiler: cProfile.Profile, engine: str, name: str, seconds: float) -> None:
+        self._profiled += 1
+        stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{self._profiled:02d}-{engine}-{name}")
+        profiler.dump_stats(self.profile_dir / f"{stem}.prof")
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text)
+        for key in ("tottime", "cumulative"):
+            stats.sort_stats(key).print_stats(15)
+        with (self.profile_dir / "summary.txt").open("a") as out:
+            out.write(f"===== {engine}: {name}: {seconds:.3f} s ({stem}.prof) =====\n{text.getvalue()}\n")
+
+    def table(self) -> str:
+        """Seconds per engine (rows) and phase (columns), in the order they ran, with each engine's total."""
+        engines = list(dict.fromkeys(e for e, _ in self.seconds))
+        seen = list(dict.fromkeys(n for _, n in self.seconds))
+        names = [n for n in self.ORDER if n in seen] + [n for n in seen if n not in self.ORDER]
+        head = ["engine", *names, "total"]
+        lines = [head]
+        for e in engines:
+            cells = [self.seconds.get((e, n)) for n in names]
+            lines.append([e, *("-" if c is None else f"{c:.2f}" for c in cells), f"{sum(c or 0 for c in cells):.2f}"])
+        widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines)
 
 
 class _StateGuard:
@@ -228,9 +331,13 @@ def render_markdown(env: dict[str, str], rows: Sequence[EngineRow]) -> str:
     return "\n".join(lines + ([""] + details if details else [])) + "\n"
 
 
-def to_json(env: dict[str, str], rows: Sequence[EngineRow]) -> str:
+def to_json(env: dict[str, str], rows: Sequence[EngineRow], timing: dict | None = None) -> str:
+    """``{"environment", "engines"}`` (each row with its ``phase_s``), and ``timing`` (the run's estimate and
+    measured seconds per phase) when given."""
+
     def clean(row: EngineRow) -> dict:
         d = asdict(row) | {"tokens_per_s": row.tokens_per_s}
         return {k: (None if isinstance(v, float) and v != v else v) for k, v in d.items()}
 
-    return json.dumps({"environment": env, "engines": [clean(r) for r in rows]}, indent=2)
+    out = {"environment": env, "engines": [clean(r) for r in rows]}
+    return json.dumps(out | ({"timing": timing} if timing is not None else {}), indent=2)
