@@ -10,6 +10,10 @@ Contract: :func:`check_case` returns a :class:`CaseResult` whose ``failures`` is
    the recorded ones on the common prefix within the tolerance for that engine;
 3. a recorded GRPO trajectory is reproduced within ``cbverify.tolerances.GOLDEN_TRAJECTORY``.
 
+The golden tokens are teacher-forced once per check (:func:`teacher_force_golden`: one forward per golden rollout,
+the oracle's unpadded ``reference.logprobs.completion_logits``); rules 1 and 2 read every quantity off that, for
+the reference and for every engine.
+
 Engines without ``capabilities.spec_sampling`` (their own RNG: ``hf-generate``, ``transformers-cb``) are checked on
 greedy cases only; an engine that raises ``NotApplicable`` or whose adapter is missing is noted, not failed. A failure
 names the case, the engine, the quantity, the first divergent (request, position) and the environment diff since
@@ -29,9 +33,9 @@ from cbverify.divergence import cut_allowance
 from cbverify.engines import ENGINE_NAMES, NotApplicable, get_engine
 from cbverify.golden import env as golden_env
 from cbverify.golden.cases import RECORDS_DIR, GoldenCase, record_path
-from cbverify.golden.record import FORMAT_VERSION, teacher_forced
+from cbverify.golden.record import FORMAT_VERSION, TOP_K
 from cbverify.tolerances import GOLDEN_LOGPROBS, GOLDEN_TRAJECTORY, Tolerance, tier_for
-from reference.logprobs import completion_logits
+from reference import logprobs as ref_logprobs
 from reference.models import load
 from reference.spec import Rollout
 
@@ -113,9 +117,58 @@ def compare_series(
             f"position {first[1]} (Δ={first[2]:+.3e})")  # fmt: skip
 
 
+@dataclass(frozen=True, slots=True)
+class GoldenForced:
+    """The golden tokens teacher-forced once: ``values`` holds, per golden rollout, what ``cbverify.golden.record.
+    teacher_forced`` records (keys ``per_token_logps``, ``processed_per_token_logps``, ``top5_ids``,
+    ``top5_logprobs``), ``cuts`` the :func:`cbverify.divergence.cut_allowance` at each position (0 in float32 and on
+    greedy cases), ``forwards`` the model forwards it took (one per golden rollout with a completion)."""
+
+    values: dict[str, list]
+    cuts: list[list[float]]
+    forwards: int
+
+
+def teacher_force_golden(model, case: GoldenCase, data: dict) -> GoldenForced:
+    """:class:`GoldenForced` for the record ``data`` of ``case``: one forward per golden rollout (on its recorded
+    prompt), every quantity read off its logits with the recorder's own functions (``reference.logprobs``)."""
+    tier = tier_for(case.dtype)
+    sampling = case.sampling_params
+    requests = {r.request_id: r for r in case.requests()}
+    keys = ("per_token_logps", "processed_per_token_logps", "top5_ids", "top5_logprobs")
+    values: dict[str, list] = {key: [] for key in keys}
+    cuts, forwards = [], 0
+    floats = lambda t: [float(x) for x in t.detach().to(torch.float32).cpu().tolist()]  # noqa: E731  (as recorded)
+    for stored, g in zip(data["config"]["requests"], data["rollouts"], strict=True):
+        prompt, completion = tuple(stored["prompt_ids"]), tuple(g["completion_ids"])
+        request = requests[g["request_id"]]
+        if request.prompt_ids != prompt:
+            raise ValueError(f"the record's prompt of {g['request_id']} is not the case's; re-record with --force")
+        forwards += bool(completion)
+        logits = ref_logprobs.completion_logits(model, prompt, completion)  # (L, V)
+        top_values, top_ids = ref_logprobs.top_logprobs_of(logits, TOP_K)  # (L, 5), (L, 5)
+        values["per_token_logps"].append(floats(ref_logprobs.logps_of(logits, completion, case.trainer_temperature)))
+        values["processed_per_token_logps"].append(floats(ref_logprobs.processed_logps_of(logits, completion,
+                                                                                           sampling)))  # fmt: skip
+        values["top5_ids"].append([[int(i) for i in row] for row in top_ids.tolist()])
+        values["top5_logprobs"].append([floats(row) for row in top_values])
+        cuts.append(_cut_row(logits, request, tier))
+    return GoldenForced(values, cuts, forwards)
+
+
+def _cut_row(logits: torch.Tensor, request, tier) -> list[float]:
+    """:func:`cbverify.divergence.cut_allowance` at each of a rollout's positions (its (L, V) teacher-forced logits)
+    under ``tier``: 0 everywhere in float32 and on greedy requests."""
+    if tier.ulp == 0 or request.sampling.greedy:
+        return [0.0] * len(logits)
+    return [cut_allowance(row, request.sampling, tier.near_tie_gap / 2 * tier.unit(float(row.abs().max())))
+            for row in logits.cpu()]  # fmt: skip
+
+
 def cut_allowances(model, case: GoldenCase, golden: list[dict], lengths: list[int] | None = None) -> list[list[float]]:
     """Per golden rollout (its first ``lengths[k]`` tokens), :func:`cbverify.divergence.cut_allowance` at each
-    position under the case's tier (0 everywhere in float32 and on greedy cases)."""
+    position under the case's tier (0 everywhere in float32 and on greedy cases); one forward per rollout (the
+    checks read them off :func:`teacher_force_golden` instead)."""
     tier = tier_for(case.dtype)
     requests = {r.request_id: r for r in case.requests()}
     lengths = lengths if lengths is not None else [len(g["completion_ids"]) for g in golden]
@@ -125,26 +178,26 @@ def cut_allowances(model, case: GoldenCase, golden: list[dict], lengths: list[in
         if tier.ulp == 0 or request.sampling.greedy:
             out.append([0.0] * n)
             continue
-        logits = completion_logits(model, request.prompt_ids, g["completion_ids"][:n]).cpu()  # (n, V)
-        out.append([cut_allowance(row, request.sampling, tier.near_tie_gap / 2 * tier.unit(float(row.abs().max())))
-                    for row in logits])  # fmt: skip
+        out.append(_cut_row(ref_logprobs.completion_logits(model, request.prompt_ids, g["completion_ids"][:n]),
+                            request, tier))  # fmt: skip
     return out
 
 
-def check_teacher_forced(model, case: GoldenCase, data: dict) -> list[Failure]:
-    """Rule 1: the reference, teacher-forced on the golden tokens."""
-    prompts = [tuple(r["prompt_ids"]) for r in data["config"]["requests"]]
+def check_teacher_forced(model, case: GoldenCase, data: dict, forced: GoldenForced | None = None) -> list[Failure]:
+    """Rule 1: the reference, teacher-forced on the golden tokens (``forced``: :func:`teacher_force_golden`,
+    computed here when not given)."""
+    forced = forced if forced is not None else teacher_force_golden(model, case, data)
     golden = data["rollouts"]
-    forced = teacher_forced(model, case, prompts, [tuple(r["completion_ids"]) for r in golden])
+    values = forced.values
     ids = [r["request_id"] for r in golden]
     failures = []
-    cuts = {"per_token_logps": None, "processed_per_token_logps": cut_allowances(model, case, golden)}
+    cuts = {"per_token_logps": None, "processed_per_token_logps": forced.cuts}
     for key, cut in cuts.items():
-        why = compare_series([r[key] for r in golden], forced[key], GOLDEN_LOGPROBS[case.dtype], ids, cut)
+        why = compare_series([r[key] for r in golden], values[key], GOLDEN_LOGPROBS[case.dtype], ids, cut)
         if why:
             failures.append(Failure(case.name, "reference", f"teacher-forced {key}", why))
     flat = lambda rows: [[v for pos in req for v in pos] for req in rows]  # noqa: E731
-    why = compare_series(flat([r["top5_logprobs"] for r in golden]), flat(forced["top5_logprobs"]),
+    why = compare_series(flat([r["top5_logprobs"] for r in golden]), flat(values["top5_logprobs"]),
                          GOLDEN_LOGPROBS[case.dtype], [f"{i}(flattened top-5)" for i in ids])  # fmt: skip
     if why:
         failures.append(Failure(case.name, "reference", "teacher-forced top-5 log-probs", why))
@@ -152,12 +205,21 @@ def check_teacher_forced(model, case: GoldenCase, data: dict) -> list[Failure]:
 
 
 def check_rollouts(
-    model, case: GoldenCase, data: dict, engine: str, rollouts: list[Rollout], *, logprobs: str = "processed"
+    model,
+    case: GoldenCase,
+    data: dict,
+    engine: str,
+    rollouts: list[Rollout],
+    *,
+    logprobs: str = "processed",
+    forced: GoldenForced | None = None,
 ) -> tuple[list[Failure], list[str]]:
     """Rule 2 for one engine's rollouts of the golden requests: ``(failures, notes on accepted divergences)``.
 
     ``logprobs`` is the engine's ``logprob_semantics``: ``processed`` log-probs are compared with the golden sampling
-    log-probs, ``raw`` ones only on greedy cases (where raw and processed coincide), ``none`` not at all.
+    log-probs, ``raw`` ones only on greedy cases (where raw and processed coincide), ``none`` not at all. The cut
+    allowances are read off ``forced`` (:func:`teacher_force_golden`; rows of the whole golden rollout, the same
+    logits as its prefix's under a causal model), computed per rollout when not given.
     """
     golden = data["rollouts"]
     requests = {r.request_id: r for r in case.requests()}
@@ -185,7 +247,11 @@ def check_rollouts(
     if logprobs == "none" or (logprobs == "raw" and not case.sampling_params.greedy):
         notes.append(f"{engine}: log-probs not compared (engine returns {logprobs!r} log-probs on a sampled case)")
         return failures, notes
-    cut = cut_allowances(model, case, golden, [len(c) for c in common_golden])
+    lengths = [len(c) for c in common_golden]
+    if forced is not None:
+        cut = [row[:n] for row, n in zip(forced.cuts, lengths, strict=True)]
+    else:
+        cut = cut_allowances(model, case, golden, lengths)
     why = compare_series(common_golden, common_actual, GOLDEN_LOGPROBS[case.dtype], ids, cut)
     if why:
         failures.append(Failure(case.name, engine, "sampling log-probs (common prefix)", why))
@@ -212,7 +278,8 @@ def check_case(
     if model is None:
         model, _ = load(case.model, dtype=case.dtype, device=device)
     with torch.no_grad():
-        result.failures += check_teacher_forced(model, case, data)
+        forced = teacher_force_golden(model, case, data)
+        result.failures += check_teacher_forced(model, case, data, forced)
     for name in engines if engines is not None else available_engines():
         try:  # an adapter that cannot be built is an error; one that does not apply here (no vllm venv) a note
             engine = get_engine(name, model)
@@ -228,7 +295,8 @@ def check_case(
         except NotApplicable as err:
             result.notes.append(str(err))
             continue
-        failures, notes = check_rollouts(model, case, data, name, rollouts, logprobs=caps.logprob_semantics)
+        failures, notes = check_rollouts(model, case, data, name, rollouts, logprobs=caps.logprob_semantics,
+                                         forced=forced)  # fmt: skip
         result.failures += failures
         result.notes += notes
     if trajectory and data.get("trajectory"):
