@@ -12,7 +12,7 @@ export PYTHONHASHSEED := 0
 
 CAPABILITIES ?= default avx2
 
-.PHONY: cpu-capabilities verify test test-slow test-ray test-vllm test-gpu bench fuzz fuzz-vllm fuzz-trl mutate lint models constraints clean
+.PHONY: cpu-capabilities verify test test-slow test-ray test-vllm test-gpu gpu-check bench fuzz fuzz-vllm fuzz-trl mutate lint models constraints clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +64,11 @@ cpu-capabilities: $(STAMP)  ## verify and upstream (1 and 2 processes) under the
 test-gpu: $(STAMP)
 	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -m gpu
 
+# Every GPU check in one time-boxed script (<= 8 min on one H200), results in $(RESULTS) as they come. Works without
+# the venv too: `DEV=cuda PYTHON=python3 WHEELS=.whl .ci/gpu-check` on a GPU machine whose torch is already there.
+gpu-check:  ## DEV=cuda (default) or DEV=cpu (the dry run CI makes); RESULTS=dir; WHEELS=dir of pinned wheels
+	DEV=$(or $(DEV),cuda) RESULTS=$(or $(RESULTS),gpu-check-results) .ci/gpu-check
+
 fuzz: $(STAMP)  ## a long search of transformers CB's configurations and call patterns; repro scripts in fuzz-out/
 	$(BIN)/cbverify fuzz --engine transformers-cb --examples 200 --out fuzz-out
 	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest property_tests/test_cb_state_machine.py --max-examples 400
@@ -95,4 +100,4 @@ constraints: $(STAMP)
 	 $(BIN)/python -m pip freeze --exclude-editable | sed 's/+cpu//') | sort -f > constraints.txt
 
 clean:
-	rm -rf $(VENV) .engine-envs .pytest_cache .hypothesis bench-results mutants mutation-results.txt cpu-capabilities
+	rm -rf $(VENV) .engine-envs .pytest_cache .hypothesis bench-results mutants mutation-results.txt cpu-capabilities gpu-check-results
