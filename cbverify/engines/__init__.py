@@ -62,6 +62,10 @@ class Capabilities:
       place (an optimizer step, a weight sync) shows in the next call -- what an in-process GRPO sampler must do.
     - ``deviations``: ids of :data:`DEVIATIONS`, documented departures from ``reference.spec`` that the engine
       declares; the suite draws around them, lists them in its report, and holds each declaration to being real.
+    - ``sizing``: the factory options that size the engine's memory and its steps (:class:`SizingOption`: name,
+      role, accepted range). The conformance suite builds the engine with values drawn from these ranges, their
+      tight end included (:func:`pressure_sizes`), so that chunked prefill, preemption and eviction happen under
+      every property; an engine that declares none is only ever run at the sizes its factory picks.
     """
 
     spec_sampling: bool
@@ -73,6 +77,7 @@ class Capabilities:
     supports_min_p: bool = True
     follows_weight_updates: bool = False
     deviations: tuple[str, ...] = ()
+    sizing: tuple[SizingOption, ...] = ()
 
     def __post_init__(self) -> None:
         if self.logprob_semantics not in ("processed", "raw", "none"):
@@ -81,6 +86,70 @@ class Capabilities:
         unknown = [d for d in self.deviations if d not in DEVIATIONS]
         if unknown:
             raise ValueError(f"unknown deviations {unknown}; known: {', '.join(DEVIATIONS)}")
+        if isinstance(self.sizing, str | bytes | dict) or not isinstance(self.sizing, Sequence):
+            raise ValueError(f"sizing must be a sequence of SizingOption, got {self.sizing!r}")
+        sizing = tuple(o if isinstance(o, SizingOption) else SizingOption(**o) if isinstance(o, dict) else o
+                       for o in self.sizing)  # dicts after a JSON round trip  # fmt: skip
+        object.__setattr__(self, "sizing", sizing)
+        wrong = [o for o in sizing if not isinstance(o, SizingOption)]
+        if wrong:
+            raise ValueError(f"sizing holds {wrong[0]!r}, not a SizingOption")
+        names, roles = [o.name for o in sizing], [o.role for o in sizing]
+        if len(set(names)) != len(names) or len(set(roles)) != len(roles):
+            raise ValueError(f"sizing names each option and each role once, got {[(o.name, o.role) for o in sizing]}")
+        if "kv_blocks" in roles and "block_size" not in roles:
+            raise ValueError("sizing declares a kv_blocks option without a block_size option: a count of KV blocks "
+                             "means nothing without their size (declare a fixed one as min == max)")  # fmt: skip
+
+    def sizing_option(self, role: str) -> SizingOption | None:
+        """The declared option of ``role`` (:data:`SIZING_ROLES`), or ``None``."""
+        return next((o for o in self.sizing if o.role == role), None)
+
+
+SIZING_ROLES: dict[str, str] = {
+    "block_size": "tokens per KV-cache block (page)",
+    "kv_blocks": "KV-cache blocks: fewer than the running requests need preempts or evicts some of them",
+    "batch_tokens": "tokens one step computes: a prompt longer than this is prefilled in chunks",
+    "num_seqs": "sequences running at once",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class SizingOption:
+    """One factory option that sizes an engine's memory or its steps (``Capabilities.sizing``).
+
+    ``name`` is the keyword the engine's factory takes, ``role`` what it sizes (:data:`SIZING_ROLES`), ``min`` /
+    ``max`` the integer range the engine accepts (inclusive). The suite draws values in the range, and the tight end
+    on purpose: ``min`` for ``batch_tokens`` and ``num_seqs``, and for ``kv_blocks`` the fewest blocks that still
+    hold the workload's longest request alone (:func:`pressure_sizes`, never below ``min``).
+    """
+
+    name: str
+    role: str
+    min: int
+    max: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise ValueError(f"a sizing option's name must be a keyword argument's name, got {self.name!r}")
+        if self.role not in SIZING_ROLES:
+            raise ValueError(f"sizing option {self.name!r}: role must be one of {', '.join(SIZING_ROLES)}, "
+                             f"got {self.role!r}")  # fmt: skip
+        for bound in (self.min, self.max):
+            if not isinstance(bound, int) or isinstance(bound, bool) or bound < 1:
+                raise ValueError(f"sizing option {self.name!r}: min and max must be ints >= 1, got {bound!r}")
+        if self.min > self.max:
+            raise ValueError(f"sizing option {self.name!r}: min {self.min} > max {self.max}")
+
+
+def pressure_sizes(requests: Sequence[RolloutRequest], block_size: int) -> tuple[int, int]:
+    """``(kv_blocks, batch_tokens)`` that put a CB engine under pressure on ``requests``: KV blocks of
+    ``block_size`` for the longest request alone, plus one (so the others are preempted or evicted and recomputed),
+    and a per-step token budget of half the longest prompt, at least 2 (so every long prompt is prefilled in
+    chunks). ``cbverify verify``'s pressure rows and the conformance suite's tight end both use it."""
+    longest = max(len(r.prompt_ids) + r.sampling.max_new_tokens for r in requests)
+    longest_prompt = max(len(r.prompt_ids) for r in requests)
+    return -(-longest // block_size) + 1, max(2, longest_prompt // 2)
 
 
 @dataclass(frozen=True, slots=True)

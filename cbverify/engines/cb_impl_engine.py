@@ -5,6 +5,9 @@ and batch invariance of tokens (the noise is a function of seed and position, no
 fields of ``cb_impl.config.EngineConfig`` (``block_size``, ``num_blocks``, ``max_batch_tokens``, ``max_num_seqs``,
 ``enable_prefix_sharing``, ...); on CPU pass a small ``num_blocks`` (the default sizes the cache from free memory).
 ``window_hook`` (see :mod:`cbverify.engines`) is the one adapter option that is not an ``EngineConfig`` field.
+``capabilities.sizing`` declares the four that size its memory and steps (``block_size``, ``num_blocks``,
+``max_batch_tokens``, ``max_num_seqs``), each down to 1, so the conformance suite runs it with chunked prefills and
+preemption.
 A model the engine refuses at construction (``cb_impl.support.UnsupportedModel``: a feature it does not implement)
 raises :class:`NotApplicable` with the engine's reason.
 
@@ -18,7 +21,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import nullcontext
 
-from cbverify.engines import Capabilities, EngineError, NotApplicable, RunStats, WindowHook, check_unique_ids, clock
+from cbverify.engines import (
+    Capabilities,
+    EngineError,
+    NotApplicable,
+    RunStats,
+    SizingOption,
+    WindowHook,
+    check_unique_ids,
+    clock,
+)
 from reference.spec import Rollout, RolloutRequest
 
 
@@ -34,6 +46,14 @@ class CbImplEngine:
         logprob_semantics="processed",
         claims_batch_invariance=True,
         follows_weight_updates=True,  # it runs the caller's model object
+        # EngineConfig takes any int >= 1; the upper bounds are only how far the suite may draw (the largest block
+        # a checkpoint's context could fill, and budgets far past any drawn workload)
+        sizing=(
+            SizingOption("block_size", "block_size", 1, 256),
+            SizingOption("num_blocks", "kv_blocks", 1, 2**20),
+            SizingOption("max_batch_tokens", "batch_tokens", 1, 2**16),
+            SizingOption("max_num_seqs", "num_seqs", 1, 2**10),
+        ),
     )
 
     def __init__(self, model, *, window_hook: WindowHook | None = None, **config) -> None:

@@ -22,7 +22,9 @@ What the adapter relies on (read in the 5.24 source; what older releases name di
 CPU sizing: small explicit ``page_size`` / ``num_blocks`` / ``max_batch_tokens`` (the defaults reserve GBs).
 ``num_blocks=None`` sizes the cache for the whole workload: sum over requests of ceil(len / page_size) + 1 -- unless
 ``max_memory_percent`` is given, in which case the library sizes it from that share of free memory. ``page_size`` /
-``max_batch_tokens`` ``None``: the library's defaults.
+``max_batch_tokens`` ``None``: the library's defaults. ``capabilities.sizing`` declares the three for the conformance
+suite's draws: ``page_size`` from 4 (the manager refuses less: "page_size must be at least 4"), ``num_blocks`` and
+``max_batch_tokens`` from 1.
 
 Driving it as TRL 1.16 does (the benchmarks): ``max_memory_percent=0.5``, ``warmup`` (CUDA-graph capture before the
 first request), ``return_logprobs=False`` (TRL does not read them; rollouts carry NaN and ``capabilities`` say
@@ -47,7 +49,16 @@ from contextlib import nullcontext
 import torch
 from transformers import GenerationConfig
 
-from cbverify.engines import Capabilities, EngineError, NotApplicable, RunStats, WindowHook, check_unique_ids, clock
+from cbverify.engines import (
+    Capabilities,
+    EngineError,
+    NotApplicable,
+    RunStats,
+    SizingOption,
+    WindowHook,
+    check_unique_ids,
+    clock,
+)
 from cbverify.engines import transformers_compat as compat
 from reference.spec import Rollout, RolloutRequest
 
@@ -67,6 +78,11 @@ class TransformersCBEngine:
         logprob_semantics="processed",
         claims_batch_invariance=False,  # packed varlen batches change reduction shapes; the RNG stream is shared
         follows_weight_updates=True,  # it runs the caller's model object
+        sizing=(  # upper bounds: how far the suite may draw, not limits of the library
+            SizingOption("page_size", "block_size", 4, 256),
+            SizingOption("num_blocks", "kv_blocks", 1, 2**20),
+            SizingOption("max_batch_tokens", "batch_tokens", 1, 2**16),
+        ),
     )
 
     def __init__(
