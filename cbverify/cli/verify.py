@@ -39,6 +39,7 @@ from cbverify.engines import (
     get_engine,
     kv_bytes_per_token,
     load_factory,
+    pressure_sizes,
 )
 from cbverify.grpo_config import RolloutConfig, load_rollout_config
 from cbverify.prompts import load_prompts
@@ -432,7 +433,7 @@ def pressure_options(name: str, workload: Workload, model) -> tuple[dict, str]:
     block = 32 if name == "vllm" else 16  # vLLM-CPU's attention takes multiples of 32 only
     longest = max(len(r.prompt_ids) + r.sampling.max_new_tokens for r in workload.requests)
     needed = sum(-(-(len(r.prompt_ids) + r.sampling.max_new_tokens) // block) for r in workload.requests)
-    blocks, budget = -(-longest // block) + 1, max(2, workload.longest_prompt // 2)
+    blocks, budget = pressure_sizes(workload.requests, block)  # the conformance suite's tight end too
     if name == "vllm":  # the same budgets in vLLM's terms: KV bytes, its scheduler's token and sequence limits
         options = {"block_size": block, "kv_cache_memory_bytes": blocks * block * kv_bytes_per_token(model),
                    "max_num_batched_tokens": budget, "max_num_seqs": budget, "max_model_len": longest,
