@@ -20,6 +20,9 @@ Faults that only one dimension of ``cbverify verify``'s workload exposes (each i
   completion stops on EOS first).
 - :class:`PreemptionKeepsComputed` — cb_impl whose preemption forgets to reset the computed-token count, so the
   recomputation skips the KV it freed (invisible unless the cache is too small and requests are preempted).
+- :class:`PrefillOnlyStepCrashes` — cb_impl that crashes on a step of partial prefills only (nothing to sample), as
+  cb_impl once did on tiny-qwen3-chat (its sampler called with zero rows; invisible unless a prompt is longer than
+  the per-step token budget).
 
 :class:`OwnRNG` is the control: the reference with fresh random seeds, a *correct* own-RNG engine.
 """
@@ -186,6 +189,27 @@ class PreemptionKeepsComputed:
             seq.num_computed_tokens = computed  # the bug: the freed KV is never recomputed
 
         scheduler.preempt = buggy_preempt
+        return engine
+
+
+class PrefillOnlyStepCrashes:
+    """cb_impl with the crash it once had (see the module docstring): a step whose batch samples nothing raises what
+    the Gumbel race's chunk view raised on zero rows."""
+
+    def __new__(cls, model, **options):
+        from cbverify.engines.cb_impl_engine import CbImplEngine
+
+        options.setdefault("num_blocks", 256)  # a small cache on CPU (cb_impl's default sizes it from free memory)
+        engine = CbImplEngine(model, **options)
+        runner = engine.engine.runner
+        run = runner.run
+
+        def crashing_run(batch):
+            if not batch.samples:  # partial prefills only
+                raise RuntimeError("cannot reshape tensor of 0 elements into shape [0, -1, 64]")
+            return run(batch)
+
+        runner.run = crashing_run
         return engine
 
 

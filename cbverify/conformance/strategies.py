@@ -1,10 +1,14 @@
-"""Requests the conformance properties draw: GRPO groups (one prompt, several samples with distinct seeds) of
-arithmetic prompts from the bundled task, every sampling option alone and combined, one or two EOS ids."""
+"""What the conformance properties draw: GRPO groups (one prompt, several samples with distinct seeds) of arithmetic
+prompts from the bundled task, every sampling option alone and combined, one or two EOS ids; and the sizes an engine
+is built with (:func:`sizings`, from the options it declares in ``Capabilities.sizing``)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from hypothesis import strategies as st
 
+from cbverify.engines import SizingOption, pressure_sizes
 from reference import tasks
 from reference.spec import RolloutRequest, SamplingParams
 
@@ -33,4 +37,48 @@ def request_groups(draw, *, greedy: bool | None = None, max_groups: int = 3, max
         seed = draw(st.integers(0, 2**31 - 1000))
         for m in range(draw(st.integers(1, max_group))):
             out.append(RolloutRequest(f"g{g}-m{m}", tuple(tasks.prompt_ids(problem)), sampling, seed + m, eos))
+    return out
+
+
+def _clamp(value: int, option: SizingOption) -> int:
+    return min(max(value, option.min), option.max)
+
+
+def _from(tight: int, roomy: int, option: SizingOption):
+    """The tight value itself half the time (a plain integer range would rarely land on it), else a value from the
+    tight one up to a roomy one, both kept inside the option's declared range."""
+    lo, hi = _clamp(tight, option), _clamp(roomy, option)
+    return st.one_of(st.just(lo), st.integers(lo, max(lo, hi)))
+
+
+@st.composite
+def sizings(draw, declared: Sequence[SizingOption], requests: Sequence, fixed: Mapping[str, object] = {}) -> dict:  # noqa: B006
+    """Values for the sizing options an engine declares, for a run of ``requests``: ``{option name: value}``.
+
+    Each is drawn in its declared range, at its tight end half the time: the smallest block (``block_size``), the
+    fewest KV blocks that still hold the longest request alone (``kv_blocks``, from :func:`pressure_sizes`: the
+    other requests are then preempted or evicted), the smallest per-step token budget (``batch_tokens``: every
+    prompt longer is prefilled in chunks; verify's pressure budget, half the longest prompt, is drawn as often),
+    one sequence at a time (``num_seqs``; every request at once as often, so that they compete for the blocks). The
+    roomy end is what the whole workload needs at once. Options in
+    ``fixed`` (the user's own) are not drawn; a fixed block size still sizes the KV blocks drawn.
+    """
+    by_role = {o.role: o for o in declared}
+    longest = max(len(r.prompt_ids) + r.sampling.max_new_tokens for r in requests)
+    prompt_tokens = sum(len(r.prompt_ids) for r in requests)
+    out: dict = {}
+    block = None
+    if (o := by_role.get("block_size")) is not None:
+        block = fixed[o.name] if o.name in fixed else draw(_from(o.min, longest, o))
+        if o.name not in fixed:
+            out[o.name] = block
+    if (o := by_role.get("kv_blocks")) is not None and o.name not in fixed and isinstance(block, int):
+        tight, _ = pressure_sizes(requests, block)
+        roomy = sum(-(-(len(r.prompt_ids) + r.sampling.max_new_tokens) // block) + 1 for r in requests)
+        out[o.name] = draw(_from(tight, roomy, o))
+    if (o := by_role.get("batch_tokens")) is not None and o.name not in fixed:
+        _, budget = pressure_sizes(requests, 1)
+        out[o.name] = draw(st.one_of(st.just(_clamp(budget, o)), _from(o.min, prompt_tokens + len(requests), o)))
+    if (o := by_role.get("num_seqs")) is not None and o.name not in fixed:  # all at once as often: they compete
+        out[o.name] = draw(st.one_of(st.just(_clamp(len(requests), o)), _from(o.min, len(requests), o)))
     return out

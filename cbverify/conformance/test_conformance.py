@@ -1,6 +1,9 @@
 """The conformance properties (run with ``pytest --pyargs cbverify.conformance --cbverify-engine NAME``). Each holds
 the engine to the oracle (``reference``) on drawn GRPO-shaped requests, within the float32 tier; a property about a
-capability the engine does not claim is NOT-APPLICABLE, naming it."""
+capability the engine does not claim is NOT-APPLICABLE, naming it. An engine that declares sizing options
+(``Capabilities.sizing``) is built for each example with sizes drawn for its requests (``strategies.sizings``: the
+tight end half the time, so prompts are prefilled in chunks and requests preempted or evicted under every
+property)."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from cbverify import compare
-from cbverify.conformance.strategies import request_groups
+from cbverify.conformance.strategies import request_groups, sizings
 from cbverify.distribution import distribution_test
 from cbverify.engines import DEVIATIONS
 from cbverify.tolerances import FP32, logprob_scale
@@ -28,8 +31,27 @@ CHECKED = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[
 
 
 @pytest.fixture
-def engine(engine_name, conformance_engines):
-    return conformance_engines(engine_name)
+def engine(engine_name, conformance_engines, conformance_model):
+    """The engine at its factory's own sizes (what capabilities are read from)."""
+    return conformance_engines(engine_name, conformance_model)
+
+
+def sized_runner(engine, engine_name: str, sized_engines, model, options: dict):
+    """``sized(data, requests, base=engine, model=model)``: the engine to run ``requests`` on. Where it declares
+    sizing options, one built on ``model`` by ``sized_engines`` with sizes drawn for ``requests`` (the draw is part of
+    the example: Hypothesis prints it and shrinks it; ``options``, the user's, are not drawn); otherwise ``base``."""
+
+    def build(data, requests, base=engine, model=model):
+        drawn = sizings(base.capabilities.sizing, requests, options)
+        sizing = data.draw(drawn, label="sizing") if base.capabilities.sizing else {}
+        return sized_engines(engine_name, model, sizing) if sizing else base
+
+    return build
+
+
+@pytest.fixture
+def sized(engine, engine_name, sized_engines, conformance_model, conformance_options):
+    return sized_runner(engine, engine_name, sized_engines, conformance_model, conformance_options)
 
 
 def _needs(engine, claim: str, wanted=True):
@@ -64,20 +86,20 @@ def _assert_logprobs_match_teacher_forcing(engine, model, requests, got) -> None
 
 
 @CHECKED
-@given(requests=request_groups())
+@given(requests=request_groups(), data=st.data())
 def test_results_are_complete_in_request_order_and_follow_the_eos_and_length_conventions(
-    engine, conformance_model, requests
+    sized, conformance_model, requests, data
 ):
-    got = engine.generate(requests)
+    got = sized(data, requests).generate(requests)
     assert not compare.check_results(requests, got), compare.check_results(requests, got)
     problems = [p for q, r in zip(requests, got, strict=True) for p in compare.check_conventions(q, r)]
     assert not problems, problems
 
 
 @CHECKED
-@given(requests=request_groups(greedy=True))
-def test_greedy_tokens_equal_the_oracles_except_at_a_near_tie(engine, conformance_model, requests):
-    got = engine.generate(requests)
+@given(requests=request_groups(greedy=True), data=st.data())
+def test_greedy_tokens_equal_the_oracles_except_at_a_near_tie(engine, sized, conformance_model, requests, data):
+    got = sized(data, requests).generate(requests)
     assert not compare.check_results(requests, got), compare.check_results(requests, got)
     for q, r, want in zip(requests, got, oracle(conformance_model, requests), strict=True):
         div = compare.compare_tokens(conformance_model, q, want, r, engine=engine.name, tier=FP32)
@@ -85,24 +107,25 @@ def test_greedy_tokens_equal_the_oracles_except_at_a_near_tie(engine, conformanc
 
 
 @CHECKED
-@given(requests=request_groups())
+@given(requests=request_groups(), data=st.data())
 def test_returned_logprobs_equal_the_oracles_teacher_forcing_in_the_declared_semantics(
-    engine, conformance_model, requests
+    engine, sized, conformance_model, requests, data
 ):
     if engine.capabilities.logprob_semantics == "none":
         pytest.skip("the engine declares logprob_semantics='none'")
     _outside_declared_deviations(engine, requests)
-    _assert_logprobs_match_teacher_forcing(engine, conformance_model, requests, engine.generate(requests))
+    got = sized(data, requests).generate(requests)
+    _assert_logprobs_match_teacher_forcing(engine, conformance_model, requests, got)
 
 
 @CHECKED
-@given(requests=request_groups(greedy=False))
+@given(requests=request_groups(greedy=False), data=st.data())
 def test_sampled_tokens_equal_the_oracles_where_the_engine_follows_the_sampling_spec(
-    engine, conformance_model, requests
+    engine, sized, conformance_model, requests, data
 ):
     _needs(engine, "spec_sampling")
     _outside_declared_deviations(engine, requests)
-    got = engine.generate(requests)
+    got = sized(data, requests).generate(requests)
     for q, r, want in zip(requests, got, oracle(conformance_model, requests), strict=True):
         div = compare.compare_tokens(conformance_model, q, want, r, engine=engine.name, tier=FP32)
         assert div is None or div.accepted, div.describe()
@@ -111,13 +134,15 @@ def test_sampled_tokens_equal_the_oracles_where_the_engine_follows_the_sampling_
 @CHECKED
 @given(crowd=request_groups(), target=request_groups(max_groups=1, max_group=1), data=st.data())
 def test_a_request_gives_the_same_rollout_alone_and_in_any_crowd_where_batch_invariance_is_claimed(
-    engine, conformance_model, crowd, target, data
+    engine, sized, conformance_model, crowd, target, data
 ):
     _needs(engine, "claims_batch_invariance")
     request = replace(target[0], request_id="target")
     slot = data.draw(st.integers(0, len(crowd)))
-    alone = engine.generate([request])[0]
-    in_crowd = engine.generate([*crowd[:slot], request, *crowd[slot:]])[slot]
+    batch = [*crowd[:slot], request, *crowd[slot:]]
+    run = sized(data, batch)  # one engine for both calls: the crowd may preempt the request or chunk its prompt
+    alone = run.generate([request])[0]
+    in_crowd = run.generate(batch)[slot]
     assert alone.completion_ids == in_crowd.completion_ids, "the claim of batch invariance does not hold: tokens"
     d = max((abs(a - b) for a, b in zip(alone.logprobs, in_crowd.logprobs, strict=True)), default=0.0)
     assert d * logprob_scale(request.sampling) <= FP32.logprob_max_abs, f"the claim does not hold: log-probs moved {d}"
@@ -155,15 +180,16 @@ def _restore(model, original) -> None:
 
 
 @CHECKED
-@given(requests=request_groups(), seed=st.integers(0, 2**16))
+@given(requests=request_groups(), seed=st.integers(0, 2**16), data=st.data())
 def test_after_an_in_place_weight_update_the_next_call_follows_the_new_weights(
-    engine_on_a_copy, conformance_model, requests, seed
+    engine_on_a_copy, sized, conformance_model, requests, seed, data
 ):
     """A GRPO loop's call pattern: generate, change the weights in place (an optimizer step, a weight sync), generate
     again on the same engine; the second call must be the oracle's on the new weights (no stale weights, caches or
     compiled graphs)."""
     engine, model = engine_on_a_copy
     _outside_declared_deviations(engine, requests)
+    engine = sized(data, requests, base=engine, model=model)
     _restore(model, conformance_model)
     engine.generate(requests)  # whatever the engine keeps from a call, it has now
     perturb(model, seed, scale=0.02)
