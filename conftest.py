@@ -10,6 +10,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+from reference.models import BUNDLED
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
 torch.set_num_threads(1)  # tiny models: one thread is faster than two (no OMP sync), and immune to a loaded machine
 
@@ -70,9 +72,17 @@ def qwen2() -> LoadedModel:
     return LoadedModel(*load("tiny-qwen2-random"))
 
 
-@pytest.fixture(scope="session", params=["tiny-llama-arith", "tiny-qwen2-random"])
+@pytest.fixture(scope="session", params=BUNDLED)
 def bundled_model(request) -> BundledModel:
-    """Each bundled model in turn."""
+    """Each bundled model in turn (``reference.models.BUNDLED``). A Hypothesis property over it shares one budget
+    among them: :func:`per_model_examples`."""
     from reference.models import load
 
     return BundledModel(request.param, *load(request.param))
+
+
+def per_model_examples(models: int) -> int:
+    """Examples per bundled model for a property whose budget is ``models`` times the loaded profile's examples
+    (the ``--max-examples`` override included), shared among every bundled model: the sum over them never exceeds
+    that budget, and each model gets at least one."""
+    return max(1, models * settings.default.max_examples // len(BUNDLED))

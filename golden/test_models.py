@@ -33,15 +33,23 @@ def test_llama_uses_grouped_query_attention_and_qwen2_a_different_ratio_with_bia
     assert qwen2.model.model.layers[0].self_attn.q_proj.bias is not None
 
 
-def test_tokenizer_round_trips_task_text_and_has_pad_bos_eos(bundled_model) -> None:
-    _, _, tokenizer = bundled_model
+def test_tokenizer_round_trips_task_text_and_has_pad_and_eos(bundled_model) -> None:
+    """Every bundled tokenizer round-trips the arithmetic task's text and has a pad and an EOS the model stops on; a
+    tokenizer whose vocabulary is the task's (the character-level checkpoints) gives the task's own ids, BOS, pad and
+    EOS (tiny-qwen3-chat's byte-level BPE is checked by the chat tests below)."""
+    name, model, tokenizer = bundled_model
     problem = tasks.make_problems(1, seed=7)[0]
+    text = problem.prompt + problem.completion
+    assert tokenizer.decode(tokenizer(text)["input_ids"], skip_special_tokens=True) == text, name
+    eos = model.generation_config.eos_token_id
+    assert tokenizer.pad_token_id is not None and tokenizer.eos_token_id in (eos if isinstance(eos, list) else [eos])
+    if tokenizer.get_vocab() != tasks.VOCAB:
+        assert name == "tiny-qwen3-chat", f"{name}: a tokenizer that is not the task's"
+        return
     ids = tokenizer(problem.prompt)["input_ids"]
     assert ids == tasks.prompt_ids(problem)
     assert tokenizer.decode(ids, skip_special_tokens=True) == problem.prompt
-    assert tokenizer(problem.prompt + problem.completion)["input_ids"][1:] == tasks.encode(
-        problem.prompt + problem.completion
-    )
+    assert tokenizer(text)["input_ids"][1:] == tasks.encode(text)
     assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (
         tasks.PAD_ID, tasks.BOS_ID, tasks.EOS_ID,
     )  # fmt: skip
@@ -97,8 +105,8 @@ def test_trained_model_figures_in_its_readme_hold_greedy_ends_with_eos(llama) ->
     assert json.loads(eos_line.split(":", 1)[1]) >= 0.95
 
 
-# tiny-qwen3-chat: a checkpoint shaped like a modern chat model (byte-level BPE, chat template, two EOS ids). Golden
-# cases do not include it: their prompts are the arithmetic task's character ids (``cbverify.golden.cases``).
+# tiny-qwen3-chat: a checkpoint shaped like a modern chat model (byte-level BPE, chat template, two EOS ids). Its
+# golden cases ask the arithmetic problems as chats through its own template (``cbverify.golden.cases``).
 CHAT_PATH = MODELS_DIR / "tiny-qwen3-chat"
 CHAT_PROMPTS = [
     [{"role": "user", "content": "What is 12+7+33?"}],
