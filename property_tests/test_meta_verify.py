@@ -13,7 +13,7 @@ from cbverify import engines as engines_module
 from cbverify import report
 from cbverify.cli import main
 from reference import tasks
-from reference.models import MODELS_DIR
+from reference.models import BUNDLED, DEFAULT_MODEL, MODELS_DIR
 
 
 def _argv(tmp_path, *extra: str) -> list[str]:
@@ -35,6 +35,20 @@ def test_verify_passes_every_engine_on_the_bundled_model_and_writes_both_reports
     assert all(row["status"] == "PASS" for row in report["engines"])
     assert "| reference | PASS |" in (tmp_path / "r.md").read_text()
     assert "\033[" not in out, "colour codes must only be written to a terminal"
+
+
+@pytest.mark.parametrize("model", [m for m in BUNDLED if m != DEFAULT_MODEL])  # the default model: the test above
+def test_verify_passes_cb_impl_under_pressure_on_every_other_bundled_checkpoint(tmp_path, model):
+    """cb_impl and its pressure row (a KV cache for the longest request alone, a step budget of half the longest
+    prompt) on each bundled checkpoint: tiny-qwen3-chat's chat template, two EOS ids and 2112-token vocabulary
+    included; the pressure row must really chunk prompts and preempt requests."""
+    argv = _argv(tmp_path, "--engines", "cb_impl", "--model", model, "--dist-samples", "0")
+    assert main(argv) == 0, (tmp_path / "r.md").read_text()
+    rows = {row["engine"]: row for row in json.loads((tmp_path / "r.json").read_text())["engines"]}
+    assert [(row, rows[row]["status"]) for row in rows] == [("cb_impl", "PASS"), ("cb_impl[pressure]", "PASS")]
+    events = dict(reversed(item.split(" ", 1)) for note in rows["cb_impl[pressure]"]["notes"] if "preemptions" in note
+                  for item in note.split(", "))  # fmt: skip
+    assert int(events["chunked prefills"]) > 0 and int(events["preemptions"]) > 0, rows["cb_impl[pressure]"]["notes"]
 
 
 QWEN2_SMALL = ("--model", "tiny-qwen2-random", "--num-prompts", "2", "--seed", "5")
