@@ -64,7 +64,8 @@ def test_the_grpo_trajectory_golden_is_reproduced():
     assert result.ok, result.report()
 
 
-@pytest.mark.parametrize("name", ["tiny-llama-arith.float32.greedy", "tiny-qwen2-random.float32.sampled"])
+@pytest.mark.parametrize("name", ["tiny-llama-arith.float32.greedy", "tiny-qwen2-random.float32.sampled",
+                                  "tiny-qwen3-chat.float32.greedy"])  # fmt: skip
 def test_check_catches_1e_3_noise_on_one_layer_and_names_case_engine_position_and_environment(name):
     case = _case(name)
     model, _ = load(case.model, dtype=case.dtype)
@@ -72,7 +73,7 @@ def test_check_catches_1e_3_noise_on_one_layer_and_names_case_engine_position_an
     assert not result.ok, "a 1e-3 perturbation of one layer went unnoticed"
     failure = next(f for f in result.failures if f.quantity == "teacher-forced per_token_logps")
     assert failure.case == case.name and failure.engine == "reference"
-    assert "first out of bounds: request arith4-" in failure.detail and "position" in failure.detail
+    assert f"first out of bounds: request {case.prompt_set}-" in failure.detail and "position" in failure.detail
     assert "environment" in result.report() and case.name in result.report()
 
 
