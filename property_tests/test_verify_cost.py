@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from cbverify import compare, report
@@ -210,8 +210,13 @@ def _bins_by_definition(expected):
     seed=st.integers(0, 2**16),
     scale=st.sampled_from([1.0, 200.0, 1 / 3]),
 )
+@example(
+    counts=[0.1] * 101, seed=0, scale=1.0
+)  # 50 x 0.1: 4.999999999999998 summed in order, 5.000000000000001 by torch
+@example(counts=[1 / 6] * 61, seed=0, scale=1.0)  # 30 x 1/6: 5.0 in order, 4.999999999999999 by torch
 def test_the_linear_chi_square_bins_are_the_definitions_bins(counts, seed, scale):
-    """Bins whose sums land on the threshold exactly or within rounding of it included (sums of thirds, 2.5 + 2.5)."""
+    """Bins whose sums land on the threshold exactly or within rounding of it included (sums of thirds, 2.5 + 2.5, and
+    sums that the running order and torch's round to either side of it)."""
     generator = torch.Generator().manual_seed(seed)
     expected = torch.tensor(counts, dtype=torch.float64) * scale  # (V,)
     expected = expected + torch.rand(len(counts), generator=generator, dtype=torch.float64) * (seed % 2) * 1e-12
