@@ -4,8 +4,10 @@
   per rollout (with a completion) while a row is judged, whatever the tier (bf16 also reads units and processor cuts
   off the teacher-forced logits) and the log-prob semantics, where reading every comparison off its own forward took
   two per rollout in float32 and three in bf16.
+- The golden check teacher-forces the golden tokens once per case, for the reference and every engine alike.
 - Progress, the estimate and the timing table go to stderr and never to stdout (the table and ``--json`` stay
-  clean); ``--quiet`` shows none of them; ``--json`` carries the seconds per engine and phase.
+  clean); ``--quiet`` shows none of them; ``--json`` carries the seconds per engine and phase; ``--profile`` dumps.
+- The estimate's arithmetic, and the linear-time chi-square bins of the distribution test against their definition.
 """
 
 from __future__ import annotations
