@@ -9,12 +9,14 @@ tokens are identical (a divergence only at a reported near-tie) and log-probs ag
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cb_impl.attention import GATHER_BUDGET
+from cb_impl import tuning
 from cb_impl.config import EngineConfig
 from cb_impl.engine import LLMEngine
 from cbverify.tolerances import FP32
@@ -22,6 +24,15 @@ from conftest import per_model_examples
 from property_tests.helpers import assert_matches_reference, grpo_batch
 from property_tests.strategies import cb_arrival_plans, rollout_requests
 from reference.spec import Rollout, RolloutRequest
+
+# How a step's work is split (cb_impl.tuning): the CPU's own, the CPU's cut to a sequence per attention slice and a
+# row per sampling slice, a middle budget, and the accelerator's (one call per group, exact noise, folded GQA).
+TUNINGS = {
+    "cpu": tuning.CPU,
+    "cpu-one-sequence-per-slice": replace(tuning.CPU, gather_budget=1, sample_budget=1),
+    "cpu-4096": replace(tuning.CPU, gather_budget=4096),
+    "accelerator": tuning.ACCELERATOR,
+}
 
 
 def run_with_arrivals(engine: LLMEngine, requests: list[RolloutRequest], order: list[int], steps: list[int]) -> list:
@@ -57,10 +68,10 @@ def test_cb_matches_reference_for_any_batch_arrival_chunking_sharing_and_memory_
                                           group_size=(1, 3)), label="requests")  # fmt: skip
     config, order, steps = data.draw(cb_arrival_plans(requests=requests), label="plan")
     engine = LLMEngine(model, EngineConfig(**config))
-    budget = data.draw(st.sampled_from([GATHER_BUDGET, 1, 4096]), label="gather_budget")  # 1: a sequence per slice
-    engine.runner.attention.gather_budget = budget
+    settings_name = data.draw(st.sampled_from(sorted(TUNINGS)), label="tuning")  # the accelerator's, tested here too
+    engine.runner.set_tuning(TUNINGS[settings_name])
     rollouts = run_with_arrivals(engine, requests, order, steps)
-    repro = f"model={name} config={config} order={order} gather_budget={budget}"
+    repro = f"model={name} config={config} order={order} tuning={settings_name}"
     assert_matches_reference(model, requests, rollouts, engine="cb_impl", repro=repro)
     assert_engine_idle_and_clean(engine)
 
