@@ -59,8 +59,7 @@ def apply_top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     remove_sorted = cumulative <= (1 - top_p)  # (V,)
     remove_sorted[-1] = False  # min_tokens_to_keep = 1: the top token survives
     remove = torch.zeros_like(remove_sorted)
-    for rank in range(scores.numel()):  # undo the sort, one token at a time
-        remove[order[rank]] = remove_sorted[rank]
+    remove[order] = remove_sorted  # undo the sort: token order[rank] takes the flag of its rank
     return scores.masked_fill(remove, float("-inf"))
 
 
