@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cbverify.devices import oracle_attention
 from cbverify.divergence import Divergence, boundary_tokens, compare_tokens, decision_scores, first_divergence
 from cbverify.engines import Capabilities, LogprobSemantics
 from cbverify.tolerances import FP32, Tier, logprob_scale
@@ -269,7 +270,8 @@ def teacher_force(
     for request, rollout in zip(requests, rollouts, strict=True):
         completion = rollout.completion_ids
         forwards += bool(completion)  # completion_logits runs no forward for an empty completion
-        logits = ref_logprobs.completion_logits(model, request.prompt_ids, completion).cpu()  # (L, V)
+        with oracle_attention():  # no per-shape cuDNN plans (cbverify.devices)
+            logits = ref_logprobs.completion_logits(model, request.prompt_ids, completion).cpu()  # (L, V)
         expected.append(_semantics_logps(logits, request, completion, semantics))  # (L,)
         trainer.append(ref_logprobs.logps_of(logits, completion, trainer_temperature(request)))  # (L,)
         processed = expected[-1] if semantics == "processed" else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from cbverify.devices import oracle_attention
 from cbverify.engines import Capabilities, check_unique_ids
 from reference import generate as reference_generate
 from reference.spec import Rollout, RolloutRequest
@@ -28,4 +29,5 @@ class ReferenceEngine:
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[Rollout]:
         check_unique_ids(self.name, requests)
-        return reference_generate.generate(self.model, list(requests))
+        with oracle_attention():  # no per-shape cuDNN plans (cbverify.devices)
+            return reference_generate.generate(self.model, list(requests))

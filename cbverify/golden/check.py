@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from cbverify.compare import check_results, compare_tokens
+from cbverify.devices import oracle_attention
 from cbverify.divergence import cut_allowance
 from cbverify.engines import ENGINE_NAMES, NotApplicable, get_engine
 from cbverify.golden import env as golden_env
@@ -145,7 +146,8 @@ def teacher_force_golden(model, case: GoldenCase, data: dict) -> GoldenForced:
         if request.prompt_ids != prompt:
             raise ValueError(f"the record's prompt of {g['request_id']} is not the case's; re-record with --force")
         forwards += bool(completion)
-        logits = ref_logprobs.completion_logits(model, prompt, completion)  # (L, V)
+        with oracle_attention():  # no per-shape cuDNN plans (cbverify.devices)
+            logits = ref_logprobs.completion_logits(model, prompt, completion)  # (L, V)
         top_values, top_ids = ref_logprobs.top_logprobs_of(logits, TOP_K)  # (L, 5), (L, 5)
         values["per_token_logps"].append(floats(ref_logprobs.logps_of(logits, completion, case.trainer_temperature)))
         values["processed_per_token_logps"].append(floats(ref_logprobs.processed_logps_of(logits, completion,
@@ -178,8 +180,9 @@ def cut_allowances(model, case: GoldenCase, golden: list[dict], lengths: list[in
         if tier.ulp == 0 or request.sampling.greedy:
             out.append([0.0] * n)
             continue
-        out.append(_cut_row(ref_logprobs.completion_logits(model, request.prompt_ids, g["completion_ids"][:n]),
-                            request, tier))  # fmt: skip
+        with oracle_attention():
+            logits = ref_logprobs.completion_logits(model, request.prompt_ids, g["completion_ids"][:n])  # (n, V)
+        out.append(_cut_row(logits, request, tier))
     return out
 
 
