@@ -8,7 +8,11 @@ processed distribution (``reference.generate.process_logits`` on the teacher-for
 chi-square goodness-of-fit test (``scipy.stats.chisquare``; rare tokens are pooled with their neighbours in
 probability so every bin expects >= 5 counts and the chi-square approximation holds). A token the reference gives
 probability 0 (outside the processed support: cut by top-k / top-p / min-p) observed even once makes the node's
-p-value 0.
+p-value 0. Under a tier with logit noise (bf16: the engine's logits may differ from the reference's by a few units),
+a token whose membership in the processed support can flip within that noise (``divergence.boundary_tokens``) is left
+out of the node on both sides: its observations are dropped and the reference's distribution is renormalised over
+the other tokens. Given that a draw is not a boundary token, both distributions are the same conditional one, so the
+test stays exact; the dropped draws are counted (``NodeTest.at_cut``).
 
 False alarms. All node p-values of one call (every position, prefix and request) form one family, corrected with
 Holm-Bonferroni: the probability that a *correct* engine fails one call is <= ``alpha`` (default
@@ -29,8 +33,9 @@ from dataclasses import dataclass, replace
 import torch
 from scipy import stats
 
+from cbverify.divergence import boundary_tokens
 from cbverify.engines import Engine
-from cbverify.tolerances import DISTRIBUTION_ALPHA
+from cbverify.tolerances import DISTRIBUTION_ALPHA, Tier
 from reference import logprobs as ref_logprobs
 from reference.generate import process_logits
 from reference.spec import Rollout, RolloutRequest
@@ -51,6 +56,7 @@ class NodeTest:
     observed: int
     expected: float
     bins: int = 0  # chi-square bins (1: the node can only catch a token outside the support)
+    at_cut: int = 0  # draws of tokens at a processor cut within the tier's noise, left out of the test
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +92,8 @@ class DistributionResult:
 
     def describe(self) -> str:
         head = f"{len(self.tests)} node tests, Holm family-wise alpha {self.alpha:g}: {len(self.rejected)} rejected"
-        lines = [f"{head}; {self.power()}"]
+        at_cut = sum(t.at_cut for t in self.tests)
+        lines = [f"{head}; {self.power()}" + (f"; {at_cut} draw(s) at a processor cut left out" if at_cut else "")]
         for t in self.rejected[:5]:
             lines.append(
                 f"  request {t.request_id!r} position {t.position} prefix {list(t.prefix)}: p={t.p_value:.3g} "
@@ -167,8 +174,10 @@ def chi_square_node(observed: Counter, probs: torch.Tensor) -> tuple[float, int,
     return p, worst, observed.get(worst, 0), float(expected[worst])
 
 
-def node_tests(model, request: RolloutRequest, samples: Sequence[Rollout], *, min_count: int) -> list[NodeTest]:
-    """Chi-square tests at every (position, prefix) node visited by at least ``min_count`` samples."""
+def node_tests(model, request: RolloutRequest, samples: Sequence[Rollout], *, min_count: int,
+               tier: Tier | None = None) -> list[NodeTest]:  # fmt: skip
+    """Chi-square tests at every (position, prefix) node visited by at least ``min_count`` samples; with ``tier``,
+    tokens at a processor cut within its noise are left out on both sides (module docstring)."""
     if request.sampling.greedy:
         raise ValueError("the distribution test is for sampled requests; greedy tokens are compared exactly")
     nodes: dict[tuple[int, ...], Counter] = defaultdict(Counter)
@@ -181,10 +190,21 @@ def node_tests(model, request: RolloutRequest, samples: Sequence[Rollout], *, mi
             continue
         logits = ref_logprobs.completion_logits(model, request.prompt_ids, [*prefix, 0])[-1].cpu()  # (V,)
         probs = process_logits(logits, request.sampling).exp()  # (V,), processed on the host: no per-op device sync
+        at_cut = 0
+        if tier is not None:
+            noise = tier.near_tie_gap / 2 * tier.unit(float(logits.abs().max()))  # logit units, as compare's
+            edge = boundary_tokens(logits, request.sampling, noise)  # (V,)
+            if bool(edge.any()):
+                at_cut = sum(c for t, c in counts.items() if edge[t])
+                counts = Counter({t: c for t, c in counts.items() if not edge[t]})
+                probs = probs.masked_fill(edge, 0.0)
+                probs = probs / probs.sum() if float(probs.sum()) > 0 else probs
+                if sum(counts.values()) < min_count:
+                    continue
         p, worst, obs, exp = chi_square_node(counts, probs)
         n = sum(counts.values())
         bins = len(chi_square_bins(probs.double().cpu() * n)[1])
-        tests.append(NodeTest(request.request_id, len(prefix), prefix, n, p, worst, obs, exp, bins))
+        tests.append(NodeTest(request.request_id, len(prefix), prefix, n, p, worst, obs, exp, bins, at_cut))
     return tests
 
 
@@ -207,8 +227,10 @@ def distribution_test(
     num_samples: int = 200,
     min_count: int = 50,
     alpha: float = DISTRIBUTION_ALPHA,
+    tier: Tier | None = None,
 ) -> DistributionResult:
-    """Sample each (sampled) request ``num_samples`` times through ``engine`` in one call, test every node, Holm."""
+    """Sample each (sampled) request ``num_samples`` times through ``engine`` in one call, test every node, Holm;
+    ``tier``: leave out the tokens at a processor cut within its noise (module docstring)."""
     if not 0 < alpha < 1:
         raise ValueError(f"alpha must be in (0, 1), got {alpha}")
     if num_samples < min_count:
@@ -217,5 +239,6 @@ def distribution_test(
     rollouts = engine.generate(batch)
     tests: list[NodeTest] = []
     for k, request in enumerate(requests):
-        tests += node_tests(model, request, rollouts[k * num_samples : (k + 1) * num_samples], min_count=min_count)
+        tests += node_tests(model, request, rollouts[k * num_samples : (k + 1) * num_samples], min_count=min_count,
+                            tier=tier)  # fmt: skip
     return DistributionResult(alpha, tuple(tests), holm(tests, alpha))

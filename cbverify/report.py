@@ -153,7 +153,8 @@ def evaluate_engine(
         row.mismatch_kl, row.ess = metrics["mismatch_kl"], metrics["ess"]
     if dist_requests and not caps.spec_sampling:
         with phase("distribution test"):
-            result: DistributionResult = distribution_test(engine, model, dist_requests, num_samples=dist_samples)
+            result: DistributionResult = distribution_test(engine, model, dist_requests, num_samples=dist_samples,
+                                                         tier=tier)  # fmt: skip
         row.distribution = f"{len(result.tests) - len(result.rejected)}/{len(result.tests)} ok"
         row.notes.append(f"distribution test: {result.power()}")
         if not result.passed:
