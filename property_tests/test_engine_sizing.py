@@ -84,10 +84,11 @@ def test_each_declared_option_is_drawn_at_its_tight_end_and_away_from_it():
 
 def test_drawn_sizes_make_cb_impl_chunk_prompts_and_preempt_requests(llama):
     """The draw is decisive: over the conformance suite's own request groups, cb_impl built with the drawn sizes runs
-    steps of partial prefills and preempts (counted by the engine; no oracle needed)."""
+    steps of partial prefills and preempts requests, each in at least a third of the examples (counted by the engine;
+    no oracle needed)."""
     counts = {"num_partial_prefills": 0, "num_preemptions": 0, "examples": 0}
 
-    @settings(max_examples=60, database=None, derandomize=True)
+    @settings(max_examples=30, database=None, derandomize=True)
     @given(requests=request_groups(), data=st.data())
     def run(requests, data):
         engine = get_engine("cb_impl", llama.model, **data.draw(sizings(CbImplEngine.capabilities.sizing, requests)))
@@ -97,7 +98,8 @@ def test_drawn_sizes_make_cb_impl_chunk_prompts_and_preempt_requests(llama):
             counts[key] += engine.stats[key] > 0
 
     run()
-    assert counts["num_partial_prefills"] >= counts["examples"] // 2 and counts["num_preemptions"] > 0, counts
+    third = counts["examples"] // 3
+    assert counts["num_partial_prefills"] >= third and counts["num_preemptions"] >= third, counts
 
 
 @settings(max_examples=10, database=None, derandomize=True)

@@ -53,32 +53,36 @@ def _from(tight: int, roomy: int, option: SizingOption):
 
 @st.composite
 def sizings(draw, declared: Sequence[SizingOption], requests: Sequence, fixed: Mapping[str, object] = {}) -> dict:  # noqa: B006
-    """Values for the sizing options an engine declares, for a run of ``requests``: ``{option name: value}``.
+    """Values for the sizing options an engine declares, for a run of ``requests``: ``{option name: value}``, each in
+    its declared range. Options in ``fixed`` (the user's own) are not drawn; a fixed block size still sizes the KV
+    blocks drawn.
 
-    Each is drawn in its declared range, at its tight end half the time: the smallest block (``block_size``), the
-    fewest KV blocks that still hold the longest request alone (``kv_blocks``, from :func:`pressure_sizes`: the
-    other requests are then preempted or evicted), the smallest per-step token budget (``batch_tokens``: every
-    prompt longer is prefilled in chunks; verify's pressure budget, half the longest prompt, is drawn as often),
-    one sequence at a time (``num_seqs``; every request at once as often, so that they compete for the blocks). The
-    roomy end is what the whole workload needs at once. Options in
-    ``fixed`` (the user's own) are not drawn; a fixed block size still sizes the KV blocks drawn.
+    Half the time every option is at the pressure point together, as ``cbverify verify``'s pressure rows put them
+    (:func:`pressure_sizes`): the smallest block, the fewest KV blocks that still hold the longest request alone plus
+    one, a step budget of half the longest prompt and every request running at once, so that prompts are prefilled
+    in chunks while the requests compete for blocks and some are preempted or evicted (each alone is not enough: a
+    one-token step budget, say, decodes one request at a time and never fills the cache). Otherwise each option is
+    drawn on its own, at its tight end half the time (the smallest block, that fewest KV blocks, the smallest step
+    budget: a step of partial prefills only, one sequence at a time), else up to what the whole workload needs at
+    once.
     """
     by_role = {o.role: o for o in declared}
     longest = max(len(r.prompt_ids) + r.sampling.max_new_tokens for r in requests)
     prompt_tokens = sum(len(r.prompt_ids) for r in requests)
+    pressure = draw(st.booleans())
     out: dict = {}
     block = None
     if (o := by_role.get("block_size")) is not None:
-        block = fixed[o.name] if o.name in fixed else draw(_from(o.min, longest, o))
+        block = fixed[o.name] if o.name in fixed else o.min if pressure else draw(_from(o.min, longest, o))
         if o.name not in fixed:
             out[o.name] = block
     if (o := by_role.get("kv_blocks")) is not None and o.name not in fixed and isinstance(block, int):
         tight, _ = pressure_sizes(requests, block)
         roomy = sum(-(-(len(r.prompt_ids) + r.sampling.max_new_tokens) // block) + 1 for r in requests)
-        out[o.name] = draw(_from(tight, roomy, o))
+        out[o.name] = _clamp(tight, o) if pressure else draw(_from(tight, roomy, o))
     if (o := by_role.get("batch_tokens")) is not None and o.name not in fixed:
         _, budget = pressure_sizes(requests, 1)
-        out[o.name] = draw(st.one_of(st.just(_clamp(budget, o)), _from(o.min, prompt_tokens + len(requests), o)))
-    if (o := by_role.get("num_seqs")) is not None and o.name not in fixed:  # all at once as often: they compete
-        out[o.name] = draw(st.one_of(st.just(_clamp(len(requests), o)), _from(o.min, len(requests), o)))
+        out[o.name] = _clamp(budget, o) if pressure else draw(_from(o.min, prompt_tokens + len(requests), o))
+    if (o := by_role.get("num_seqs")) is not None and o.name not in fixed:
+        out[o.name] = _clamp(len(requests), o) if pressure else draw(_from(o.min, len(requests), o))
     return out
