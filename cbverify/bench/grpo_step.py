@@ -18,13 +18,17 @@ the lifetime peak RSS after case N is case N's), ``rounds`` times, the paths alt
 that a drift of the machine reaches every path alike. In each process the first of ``steps`` is a warm-up; the median
 and the spread (min, max) are over the other steps of every round pooled. The generation share is the time spent in
 the trainer's ``_generate`` over the step time (the same steps), where the TRL release has that method.
+
+Each N's row is appended to ``--out`` (flushed and fsynced) the moment it ends, with its ``round`` and ``status``;
+with ``--progress FILE`` a ``start`` line per N and a ``progress`` line per trainer step go to the parent that
+time-boxes the worker (``cbverify.bench.timebox``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
+import os
 import sys
 import tempfile
 import time
@@ -35,6 +39,7 @@ from pathlib import Path
 import torch
 
 from cbverify.bench import measure, reasoning
+from cbverify.bench.timebox import ProgressFile, append_record
 from reference import tasks
 
 # TRL GRPOTrainer's generation paths, not cbverify.engines names: TRL itself drives generation here ("generate" is the
@@ -105,7 +110,8 @@ def _cb_impl_rollout(model):
     return make_rollout_func(model)
 
 
-def run_case(path: str, n: int, cfg: GrpoConfig, out_dir: str, workload: str = "arith") -> dict:
+def run_case(path: str, n: int, cfg: GrpoConfig, out_dir: str, workload: str = "arith",
+             reports: ProgressFile | None = None) -> dict:  # fmt: skip
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -136,6 +142,8 @@ def run_case(path: str, n: int, cfg: GrpoConfig, out_dir: str, workload: str = "
 
         def on_step_end(self, *a, **k):
             times.append(measure.clock(cfg.device) - self.t)
+            if reports is not None:
+                reports.write("progress", n=n, steps_done=len(times), steps=cfg.steps, step_times_s=list(times))
 
     clock = StepClock()
     trainer = GRPOTrainer(
@@ -187,24 +195,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="tiny-llama-arith", help="bundled name or local checkpoint directory")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--out", required=True, help="JSON-lines file receiving one record per N")
+    parser.add_argument("--round", type=int, default=0, help="the round (written in each record)")
+    parser.add_argument("--progress", default=None, help="file receiving progress lines (cbverify.bench.timebox)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg = GrpoConfig(device=args.device, ns=tuple(args.n), steps=args.steps, num_prompts=args.num_prompts,
                      model=args.model, threads=args.threads, paths=(args.path,),
                      workloads=(args.workload,))  # fmt: skip
     env, status = measure.environment(args.device), 0
-    with tempfile.TemporaryDirectory() as tmp, open(args.out, "a") as out:
+    reports = ProgressFile(args.progress)
+    with tempfile.TemporaryDirectory() as tmp:
         for n in sorted(args.n):
             start = time.perf_counter()
+            reports.write("start", n=n, pid=os.getpid())
             try:
-                row = run_case(args.path, n, cfg, tmp, args.workload)
+                row = run_case(args.path, n, cfg, tmp, args.workload, reports) | {"status": "ok"}
             except Exception as err:  # recorded, reported, and turned into a failing exit code
-                status, row = 1, {"workload": args.workload, "path": args.path, "n": n,
+                status, row = 1, {"workload": args.workload, "path": args.path, "n": n, "status": "error",
                                   "error": f"{type(err).__name__}: {err}",
                                   "traceback": traceback.format_exc()}  # fmt: skip
             row["case_wall_s"] = math.ceil(time.perf_counter() - start)
-            out.write(json.dumps(row | {"env": env}) + "\n")
-            out.flush()
+            append_record(Path(args.out), row | {"round": args.round, "env": env})
     return status
 
 

@@ -55,6 +55,7 @@ class ForwardStats:
     forward_tokens: int = 0
     forward_s: float = 0.0
     first_forward_end: float | None = None
+    logit_rows: int = 0  # positions the model returned logits for: the tokens an engine can have sampled so far
 
 
 @contextmanager
@@ -77,6 +78,9 @@ def count_forwards(model: torch.nn.Module, device: str, *, time_forwards: bool, 
             started[0] = clock(device)
 
     def post(module, args, kwargs, output):
+        logits = getattr(output, "logits", None)  # shapes only: no device sync
+        if logits is not None and logits.dim() >= 2:
+            stats.logit_rows += logits.numel() // max(1, logits.shape[-1])
         if time_forwards:
             end = clock(device)
             stats.forward_s += end - started[0]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -92,9 +93,20 @@ def adapter_options(engine: str, requests: list[RolloutRequest], opts: EngineOpt
     raise ValueError(f"unknown bench engine {engine!r}; known: {', '.join(ENGINES)}")
 
 
-def run_engine(engine: str, model, requests: list[RolloutRequest], opts: EngineOptions) -> EngineRun:
-    """Build the ``engine`` adapter (timed as setup), generate ``requests`` once, and collect what it cost."""
-    forwards = ForwardStats()
+def run_engine(
+    engine: str,
+    model,
+    requests: list[RolloutRequest],
+    opts: EngineOptions,
+    *,
+    forwards: ForwardStats | None = None,
+    on_adapter: Callable[[object], None] | None = None,
+) -> EngineRun:
+    """Build the ``engine`` adapter (timed as setup), generate ``requests`` once, and collect what it cost.
+
+    ``forwards``: the counts to add to (a fresh one by default; the worker passes its own to read the progress of a
+    run from another thread); ``on_adapter``: called with the adapter before it generates (progress counters)."""
+    forwards = ForwardStats() if forwards is None else forwards
 
     def window():
         return count_forwards(model, opts.device, time_forwards=opts.time_forwards, stats=forwards)
@@ -107,6 +119,8 @@ def run_engine(engine: str, model, requests: list[RolloutRequest], opts: EngineO
     else:
         adapter = get_engine(engine, model, window_hook=window, **adapter_options(engine, requests, opts))
     setup_s = time.perf_counter() - t_setup
+    if on_adapter is not None:
+        on_adapter(adapter)
     with torch.no_grad():
         rollouts = adapter.generate(requests)
     cost = adapter.last_run
