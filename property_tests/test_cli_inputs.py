@@ -332,6 +332,7 @@ BOUNDS = [
     (["bench"], "--kv-headroom", "1e-9", "0"), (["bench"], "--max-batch-tokens", "1", "0"),
     (["bench"], "--temperature", "0", "-1e-9"), (["bench"], "--seed", "0", "-1"), (["bench"], "--grpo-n", "2", "1"),
     (["bench"], "--grpo-steps", "2", "1"), (["bench"], "--grpo-rounds", "1", "0"),
+    (["bench"], "--case-timeout", "0", "-1e-9"), (["bench"], "--time-budget", "0", "-1e-9"),
     (["train"], "--steps", "1", "0"), (["train"], "--num-prompts", "1", "0"),
     (["train"], "--num-generations", "1", "0"), (["train"], "--min-terms", "2", "1"),
     (["train"], "--max-terms", "2", "1"), (["train"], "--max-new-tokens", "1", "0"),
@@ -346,7 +347,8 @@ BOUNDS = [
     (["fuzz"], "--shards", "1", "0"), (["fuzz"], "--shards", "4096", "4097"),
 ]  # fmt: skip
 NOT_FINITE = [(["verify"], "--num-prompts", "x"), (["bench"], "--kv-headroom", "nan"), (["bench"], "--temperature",
-              "inf"), (["train"], "--temperature", "nan"), (["train"], "--beta", "inf")]  # fmt: skip
+              "inf"), (["train"], "--temperature", "nan"), (["train"], "--beta", "inf"),
+              (["bench"], "--case-timeout", "inf"), (["bench"], "--time-budget", "nan")]  # fmt: skip
 
 
 @pytest.mark.parametrize(("command", "flag", "bound", "past"), BOUNDS, ids=[f"{c[0]}{f}={b}" for c, f, b, _ in BOUNDS])

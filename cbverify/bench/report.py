@@ -15,6 +15,7 @@ from pathlib import Path
 from cbverify.bench.grpo_step import PATHS
 from cbverify.bench.grpo_step import WORKLOADS as GRPO_WORKLOADS
 from cbverify.bench.grpo_suite import paired_speedups
+from cbverify.bench.timebox import cut_text, fmt_s, is_cut, status_of
 from cbverify.bench.timed import ENGINES
 from cbverify.engines import OWN_ENV_ENGINES
 
@@ -59,6 +60,9 @@ def markdown(result: dict) -> str:
              "(cbverify/bench/measure.py); ovh = engine overhead per step (wall - forward time) / steps. With several "
              "rounds of the matrix, each case is its fastest round (min-max tok/s over the rounds in brackets).",
              ""]  # fmt: skip
+    if result.get("time_boxes"):  # runs with time boxes (their plan is in the logs)
+        lines[5:5] = [f"- time boxes: {describe_boxes(result['time_boxes'])}; a case past its box is recorded as a "
+                      "timeout with what it had done"]  # fmt: skip
     ratio = {(r["workload"], r["n"], r["engine"]): r for r in result["ratios"]}
     for workload in dict.fromkeys(c["workload"] for c in result["cases"]):
         vllm = any(c["engine"] == "vllm" for c in result["cases"])
@@ -72,8 +76,13 @@ def markdown(result: dict) -> str:
                 error = c["error"].splitlines()[0][:200].replace("|", "/")  # one table cell
                 lines.append(f"| {c['n']} | {c['engine']} | ERROR: {error} |" + " |" * 10)
                 continue
+            if is_cut(c):  # timed out, interrupted, skipped or missing: what it had done, in one cell
+                lines.append(f"| {c['n']} | {c['engine']} | {cut_text(c)} |" + " |" * 10)
+                continue
             r = ratio.get((workload, c["n"], c["engine"]), {})
             check = "; ".join(c["check_problems"]) or "ok"
+            if c.get("cut_rounds"):
+                check += "; rounds without a measurement: " + ", ".join(c["cut_rounds"])
             if "tokens_equal_to_cb_impl" in c:
                 check += f"; tokens = cb_impl in {c['tokens_equal_to_cb_impl']:.0%}"
             kv = None if c["kv_reserved_bytes"] is None else c["kv_reserved_bytes"] / 2**20
@@ -121,7 +130,7 @@ def breakdown_markdown(result: dict) -> list[str]:
     """Where cb_impl's step goes, per workload and N, beside ``generate()``'s overhead per step."""
     rows, hf = [], {(c["workload"], c["n"]): c for c in result["cases"] if c["engine"] == "hf-generate"}
     for c in result["cases"]:
-        parts = step_breakdown(c) if c["engine"] == "cb_impl" and "error" not in c else None
+        parts = step_breakdown(c) if c["engine"] == "cb_impl" and status_of(c) == "ok" else None
         if parts:
             overhead = sum(v for k, v in parts.items() if k != "forward")
             other = hf.get((c["workload"], c["n"]), {}).get("overhead_per_step_ms")
@@ -179,8 +188,11 @@ def _grpo_table(rows: list[dict]) -> list[str]:
         if "error" in r:
             lines.append(f"| {n} | {path} | ERROR: {r['error'][:200]} | | | | | | | | |")
             continue
+        if is_cut(r):
+            lines.append(f"| {n} | {path} | {cut_text(r)} | | | | | | | | |")
+            continue
         base = by.get((n, "generate"))
-        ok = base is not None and "error" not in base
+        ok = base is not None and status_of(base) == "ok"
         speed = _fmt(base["step_s"] / r["step_s"] if ok else None)
         delta = _fmt(r["peak_memory_mb"] - base["peak_memory_mb"] if ok else None, "+.0f")
         spread = f"{_fmt(r.get('step_min_s'))} - {_fmt(r.get('step_max_s'))}"
@@ -236,7 +248,7 @@ GRPO_TARGETS = (("reasoning", 8, "cb_impl", 1.0), ("reasoning", 32, "cb_impl", 1
 
 def grpo_targets(rows: list[dict]) -> list[dict]:
     """The GRPO-step targets that rows of their workload bear on, measured; rows carry ``workload`` (absent: arith)."""
-    by = {(r.get("workload", "arith"), r["n"], r["path"]): r for r in rows if "error" not in r}
+    by = {(r.get("workload", "arith"), r["n"], r["path"]): r for r in rows if status_of(r) == "ok"}
     out = []
     for workload, n, path, threshold in GRPO_TARGETS:
         a, b = by.get((workload, n, path)), by.get((workload, n, "generate"))
@@ -253,6 +265,16 @@ def grpo_targets(rows: list[dict]) -> list[dict]:
     return out
 
 
+def describe_boxes(boxes: dict) -> str:
+    """A run's time boxes in words (the report's header)."""
+
+    def one(value) -> str:
+        return "none" if value is None else fmt_s(value)
+
+    return (f"a case {one(boxes.get('case_timeout_s'))}, a worker's start {one(boxes.get('start_timeout_s'))}, "
+            f"time budget {one(boxes.get('time_budget_s'))}")  # fmt: skip
+
+
 def _met(met: bool | None) -> str:
     return {True: "yes", False: "**no**", None: "n/a"}[met]
 
@@ -265,7 +287,7 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     footer = env_line(_env(result))
-    cases = [c for c in result["cases"] if "error" not in c]
+    cases = [c for c in result["cases"] if status_of(c) == "ok"]
     workloads = list(dict.fromkeys(c["workload"] for c in cases))
     panels = {
         "throughput.png": [("tokens_per_s", "completion tokens / s", 1.0)],
@@ -305,7 +327,8 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
     return paths
 
 
-def write(result: dict, out_dir: Path) -> list[Path]:
+def write(result: dict, out_dir: Path, *, png: bool = True) -> list[Path]:
+    """``results.json``, ``results.md`` and (with ``png``) the plots; returns the paths written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     slim = result | {
         "env": _env(result),
@@ -313,4 +336,4 @@ def write(result: dict, out_dir: Path) -> list[Path]:
     }
     (out_dir / "results.json").write_text(json.dumps(slim, indent=1) + "\n")
     (out_dir / "results.md").write_text(markdown(result))
-    return [out_dir / "results.json", out_dir / "results.md", *plots(result, out_dir)]
+    return [out_dir / "results.json", out_dir / "results.md", *(plots(result, out_dir) if png else [])]
