@@ -448,6 +448,11 @@ COMMANDS: dict[str, tuple[Here | Elsewhere | Recipe | Check, ...]] = {
         Elsewhere(BENCH_TEST, "every default engine and the GRPO step, one small case each (the whole matrix takes "
                   "~19 min)", "slow", parse="cbverify bench --device cpu --workload arith --n 8 --rounds 3"),
     ),
+    "cbverify bench --from-logs DIR": (
+        Elsewhere("bench/test_timebox.py::test_from_logs_rebuilds_the_report_the_run_wrote", "rebuilds a time-boxed "
+                  "run's report from its logs, byte for byte (the committed results' too: test_the_committed_"
+                  "results_rebuild_from_their_logs_byte_for_byte)", parse="cbverify bench --from-logs {tmp}"),
+    ),  # fmt: skip
     "make bench": (
         Recipe("bench", ".venv/bin/python -m pytest -m bench"),
         Elsewhere("Makefile", "it is the bench marker's run", "bench", needle="python -m pytest -m bench"),
