@@ -102,6 +102,7 @@ class BlockManager:
         first = start // bs
         if start % bs and self.ref_counts[table[first]] > 1:  # computed tokens have blocks: table[first] exists
             src, dst = table[first], self._take()
+            seq.count("cow_2" if self.ref_counts[src] == 2 else "cow_3plus")
             self._release(src)
             table[first] = dst
             copies.append((src, dst))

@@ -59,6 +59,8 @@ class LLMEngine:
         self._sampled_seqs: list[Sequence] = []  # the last step's sampled sequences; their constants and positions:
         self._sampling, self._positions = build_sampling_batch([], torch.device("cpu")), torch.zeros(0)
         self._live: dict[str, Sequence] = {}
+        self.last_events: dict[str, dict[str, int]] = {}  # per request of the last generate(): its Sequence.events
+        self._events: dict[str, dict[str, int]] | None = None  # where step() puts them while generate() runs
         names = ("num_steps", "num_requests", "num_forward_tokens", "num_prefill_tokens", "num_decode_tokens",
                  "num_generated_tokens", "num_failed_requests", "num_partial_prefills")  # fmt: skip
         self._counters = dict.fromkeys(names, 0)
@@ -159,6 +161,8 @@ class LLMEngine:
             self._timers[name] += seconds
         for seq in finished:
             del self._live[seq.request_id]
+            if self._events is not None and seq.events:
+                self._events[seq.request_id] = seq.events
         return [Rollout(s.request_id, s.prompt_ids, s.completion_ids, s.logprobs, s.finish_reason) for s in finished]
 
     def release_cache(self) -> None:
@@ -175,7 +179,8 @@ class LLMEngine:
 
     # --- batch API ------------------------------------------------------------------------------------------------
     def generate(self, requests: Seq[RolloutRequest], progress: bool = False) -> list[Rollout]:
-        """Complete every request; rollouts in request order. Needs an idle engine (no incremental requests)."""
+        """Complete every request; rollouts in request order. Needs an idle engine (no incremental requests).
+        Afterwards ``last_events`` holds what the engine's mechanisms did to each request (``sequence.EVENTS``)."""
         if self.has_unfinished():
             raise RuntimeError("generate() needs an idle engine: finish the requests added with add_request() first")
         requests = list(requests)
@@ -183,6 +188,7 @@ class LLMEngine:
         for r in requests:
             self._enqueue(r)
         results: dict[str, Rollout] = {}
+        self._events = {}
         try:
             with self.runner.attached(), tqdm(total=len(requests), disable=not progress, desc="cb_impl") as bar:
                 while self.has_unfinished():
@@ -192,6 +198,8 @@ class LLMEngine:
         except BaseException:
             self.abort_all()
             raise
+        finally:
+            self.last_events, self._events = self._events, None
         return [results[r.request_id] for r in requests]
 
     @property

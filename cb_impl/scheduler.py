@@ -105,6 +105,7 @@ class Scheduler:
             batch.num_decode_tokens += 1
         if seq.num_computed_tokens + num_new < len(seq.token_ids):
             batch.num_partial_prefills += 1
+            seq.count("partial_prefill")
             return
         chunk_index = len(batch.chunks) - 1
         batch.samples.append(seq)
@@ -150,6 +151,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+        seq.count("preemption")
         self.num_preemptions += 1
 
     def postprocess(self, batch: ScheduledBatch, tokens: list[int], logprobs: list[float]) -> list[Sequence]:
@@ -164,6 +166,7 @@ class Scheduler:
                 self.block_manager.fork(seq.parent, seq)
                 seq.num_computed_tokens = seq.parent.num_computed_tokens
                 seq.parent = None
+                seq.count("shared_prefill")
                 self.num_forks += 1
             if seq.followers:
                 seq.followers = []

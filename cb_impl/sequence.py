@@ -10,12 +10,24 @@ Invariants, for a sequence ``s``:
   is then forked from it (shares its blocks) and sampled from the parent's last-position logits;
 - a ``FINISHED`` sequence holds no blocks; it has a ``finish_reason`` unless it failed or was aborted (then the
   engine raised or dropped it: it is never returned).
+
+``events`` counts what the engine's mechanisms did to the sequence (:data:`EVENTS`), so a caller can tell which of
+them a workload reached and which requests each one touched.
 """
 
 from __future__ import annotations
 
 import enum
 from typing import Any
+
+
+EVENTS = {
+    "shared_prefill": "forked from the request ahead of it with the same prompt: its prompt's blocks shared",
+    "cow_2": "copied a shared, partly filled block before writing into it, the block then having 2 sharers",
+    "cow_3plus": "the same with 3 or more sharers",
+    "partial_prefill": "a prompt chunk that did not reach the prompt's end (chunked prefill)",
+    "preemption": "preempted (blocks freed, recomputed later)",
+}
 
 
 class SequenceStatus(enum.Enum):
@@ -30,6 +42,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "request_id", "token_ids", "num_prompt_tokens", "max_new_tokens", "eos_token_ids", "logprobs",
         "num_computed_tokens", "block_table", "status", "parent", "followers", "finish_reason", "sampler_row",
+        "events",
     )  # fmt: skip
 
     def __init__(self, seq_id: int, prompt_ids: tuple[int, ...] | list[int], *, max_new_tokens: int,
@@ -53,6 +66,11 @@ class Sequence:
         self.followers: list[Sequence] = []
         self.finish_reason: str | None = None
         self.sampler_row: Any = None  # the engine's per-request sampling constants (opaque to the bookkeeping)
+        self.events: dict[str, int] = {}  # EVENTS name -> times
+
+    def count(self, event: str) -> None:
+        """One more ``event`` (a name of :data:`EVENTS`) happened to this sequence."""
+        self.events[event] = self.events.get(event, 0) + 1
 
     # --- derived quantities -------------------------------------------------------------------------------------
     @property

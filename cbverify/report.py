@@ -58,6 +58,12 @@ class EngineRow:
     # wall seconds per phase (build, generate, tokens, teacher forcing, judge, distribution test), device synced
     phase_s: dict[str, float] = field(default_factory=dict)
     teacher_forced_forwards: int = 0  # model forwards the teacher forcing of this row's rollouts took
+    # what the engine's declared mechanisms did to each request ({request_id: {mechanism: times}}), as it reported
+    # in last_run.extra["mechanisms"]; None when it reported nothing
+    mechanisms: dict[str, dict[str, int]] | None = None
+    declared: list[str] = field(default_factory=list)  # the engine's Capabilities.mechanisms
+    spec_sampling: bool = False  # its tokens follow the spec's noise (compared with the oracle's)
+    sizing: list[dict] = field(default_factory=list)  # its Capabilities.sizing, as dicts
 
     @property
     def tokens_per_s(self) -> float:
@@ -76,6 +82,7 @@ def evaluate_engine(
     dist_samples: int = 200,
     phases: Phases | None = None,
     label: str | None = None,
+    tags: dict[str, dict[str, int]] | None = None,
 ) -> EngineRow:
     """Run ``engine`` on ``requests`` and judge it against the reference's rollouts ``reference`` under ``tier``.
 
@@ -85,6 +92,8 @@ def evaluate_engine(
 
     The rollouts are teacher-forced once (:func:`compare.teacher_force`: one forward per rollout) and every log-prob
     comparison reads that. ``phases`` times (and shows) each phase under ``label`` (default: the engine's name).
+    A request a problem names is named with the mechanisms it exercised: ``tags`` (``{request_id: {mechanism: n}}``,
+    the workload's, ``cbverify.mechanisms.workload_touches``) and those the engine reports (``row.mechanisms``).
     """
     row = EngineRow(engine.name)
     phases = phases if phases is not None else Phases()
@@ -102,13 +111,20 @@ def evaluate_engine(
     except Exception as err:  # surfaced in the report as a FAIL with the error, never swallowed silently
         row.problems = [f"generate raised {type(err).__name__}: {err}"]
         return row
+    last_run = getattr(engine.engine, "last_run", None)
+    reported = getattr(last_run, "extra", {}).get("mechanisms") if last_run is not None else None
+    row.mechanisms = dict(reported) if isinstance(reported, dict) else None
+    caps = engine.capabilities
+    row.declared, row.spec_sampling = list(caps.mechanisms), caps.spec_sampling
+    row.sizing = [asdict(o) for o in caps.sizing]
+    names = mechanism_tags(tags, row.mechanisms)
+    said = lambda rid: f"{rid!r}" + (f" ({', '.join(names[rid])})" if names.get(rid) else "")  # noqa: E731
     row.completion_tokens = sum(len(r.completion_ids) for r in rollouts)
     row.problems = compare.check_results(requests, rollouts)
     if row.problems:
         return row
     for request, rollout in zip(requests, rollouts, strict=True):
         row.problems += compare.check_conventions(request, rollout)
-    caps = engine.capabilities
     row.checks.append(("conventions", "FAIL" if row.problems else "PASS", f"{len(rollouts)} rollouts"))
     with phase("tokens", len(requests)) as advance:
         for request, ref, got in zip(requests, reference, rollouts, strict=True):
@@ -123,7 +139,8 @@ def evaluate_engine(
                 row.near_ties += div.accepted
                 row.divergences.append(div.describe())
                 if not div.accepted:
-                    row.problems.append(f"request {request.request_id!r}: tokens diverge at position {div.position}")
+                    row.problems.append(f"request {said(request.request_id)}: tokens diverge at position "
+                                        f"{div.position}")  # fmt: skip
     diverged = any(p.startswith("request ") and "tokens diverge" in p for p in row.problems)
     row.checks.append(("tokens", "FAIL" if diverged else "PASS", f"{row.tokens_compared} requests") if
                       row.tokens_compared else ("tokens", "NOT-APPLICABLE", "no request's tokens are fixed by the "
@@ -146,7 +163,7 @@ def evaluate_engine(
         row.checks.append(("logprobs", "PASS" if diff.within(tier) else "FAIL", f"max {diff.max_abs:.3g}"))
         if not diff.within(tier):
             row.problems.append(
-                f"log-probs off: max {diff.max_abs:.3g}{units} (at {diff.worst_request!r} position "
+                f"log-probs off: max {diff.max_abs:.3g}{units} (at {said(diff.worst_request)} position "
                 f"{diff.worst_position}), mean {diff.mean_abs:.3g}; tier {tier.name} allows "
                 f"{tier.logprob_max_abs:g}/{tier.logprob_mean_abs:g}" + (" units" if tier.ulp else "")
             )
@@ -166,6 +183,15 @@ def evaluate_engine(
     row.checks.append(("model state", "FAIL" if engine.changes else "PASS", ", ".join(engine.changes) or "unchanged"))
     row.status = "PASS" if not row.problems else "FAIL"
     return row
+
+
+def mechanism_tags(*touched: dict[str, dict[str, int]] | None) -> dict[str, list[str]]:
+    """``{request_id: [mechanism, ...]}`` merged over ``{request_id: {mechanism: times}}`` maps."""
+    out: dict[str, list[str]] = {}
+    for t in touched:
+        for rid, events in (t or {}).items():
+            out.setdefault(rid, []).extend(m for m in events if m not in out[rid])
+    return out
 
 
 class Phases:
@@ -332,13 +358,16 @@ def render_markdown(env: dict[str, str], rows: Sequence[EngineRow]) -> str:
     return "\n".join(lines + ([""] + details if details else [])) + "\n"
 
 
-def to_json(env: dict[str, str], rows: Sequence[EngineRow], timing: dict | None = None) -> str:
+def to_json(env: dict[str, str], rows: Sequence[EngineRow], timing: dict | None = None,
+            mechanisms: Sequence | None = None) -> str:  # fmt: skip
     """``{"environment", "engines"}`` (each row with its ``phase_s``), and ``timing`` (the run's estimate and
-    measured seconds per phase) when given."""
+    measured seconds per phase) and ``mechanisms`` (:class:`cbverify.mechanisms.Reach` rows) when given."""
 
     def clean(row: EngineRow) -> dict:
         d = asdict(row) | {"tokens_per_s": row.tokens_per_s}
         return {k: (None if isinstance(v, float) and v != v else v) for k, v in d.items()}
 
     out = {"environment": env, "engines": [clean(r) for r in rows]}
-    return json.dumps(out | ({"timing": timing} if timing is not None else {}), indent=2)
+    out |= {"timing": timing} if timing is not None else {}
+    out |= {"mechanisms": [asdict(m) for m in mechanisms]} if mechanisms is not None else {}
+    return json.dumps(out, indent=2)

@@ -7,7 +7,8 @@ member with its own seed. Sampling: the GRPO recipe's for every group (:mod:`cbv
 ``num_generations`` as the group size), else :data:`SPREAD`, rotated over the prompts, so temperatures below and
 above 1 and each processor (top-k, top-p, min-p) alone and combined are all exercised. Every third prompt gets a
 quarter of the completion budget, so some requests stop on EOS and others hit ``max_new_tokens``. Every request
-carries all of the checkpoint's EOS ids (TRL stops on any of them).
+carries all of the checkpoint's EOS ids (TRL stops on any of them). ``probes`` (the default) says that ``verify``
+adds the mechanism probes of :mod:`cbverify.mechanisms` to these requests (they need the model and the oracle).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class Workload:
     samplings: tuple[SamplingParams, ...]  # the distinct sampled configurations used
     group_size: int
     num_prompts: int
+    probes: bool = True  # verify adds the mechanism probes (cbverify.mechanisms) to ``requests``
 
     @property
     def longest_prompt(self) -> int:
@@ -74,6 +76,7 @@ def build_workload(
     sampled: SamplingParams | None = None,
     group_size: int = DEFAULT_GROUP_SIZE,
     eos_token_ids: tuple[int, ...] | None = None,
+    probes: bool = True,
 ) -> Workload:
     """The requests (see the module docstring); ``sampled`` (a recipe's sampling) replaces :data:`SPREAD`.
     ``ValueError`` before any model work when a prompt plus its budget exceeds the checkpoint's context, or a prompt
@@ -102,4 +105,4 @@ def build_workload(
         for g in range(group_size):
             member_seed = seed * 1000 + i + g * 1_000_003  # distinct per member, reproducible from --seed
             requests.append(RolloutRequest(f"q{i}-g{g}", ids, s, seed=member_seed, eos_token_ids=eos))
-    return Workload(tuple(requests), source, tuple(used), group_size, len(ids_list))
+    return Workload(tuple(requests), source, tuple(used), group_size, len(ids_list), probes)

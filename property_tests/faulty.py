@@ -24,6 +24,17 @@ Faults that only one dimension of ``cbverify verify``'s workload exposes (each i
   cb_impl once did on tiny-qwen3-chat (its sampler called with zero rows; invisible unless a prompt is longer than
   the per-step token budget).
 
+Faults inside cb_impl that only a workload reaching the mechanism exposes (``verify``'s probes,
+:mod:`cbverify.mechanisms`; invisible on a trained model whose group members draw the same tokens, or with one EOS
+id that every rollout stops on first):
+
+- :class:`CbOnlyFirstEos` — cb_impl whose sequences stop on the first of the request's EOS ids only.
+- :class:`CowSkippedAtTwoSharers` — cb_impl whose block manager skips the copy on write when exactly two sequences
+  share the block (``> 2`` for ``> 1``): the last two writers of a group's prompt block write into one block.
+- :class:`FollowerParentSeed` — cb_impl whose group followers sample their first token, the one drawn from the
+  parent's logits when they are forked, with their parent's seed (their own sampling parameters, their own seed
+  from then on).
+
 :class:`OwnRNG` is the control: the reference with fresh random seeds, a *correct* own-RNG engine.
 """
 
@@ -296,3 +307,89 @@ def _vllm_raw_logprobs():
 
 
 VLLMRawLogprobs = _vllm_raw_logprobs()
+
+
+def _cb_impl(model, options):
+    from cbverify.engines.cb_impl_engine import CbImplEngine
+
+    return CbImplEngine(model, **options)
+
+
+class CbOnlyFirstEos:
+    """cb_impl with the first-EOS-only bug (see the module docstring)."""
+
+    def __new__(cls, model, **options):
+        engine = _cb_impl(model, options)
+        llm = engine.engine
+        enqueue = llm._enqueue
+
+        def buggy_enqueue(request) -> None:
+            enqueue(request)
+            llm._live[request.request_id].eos_token_ids = frozenset(request.eos_token_ids[:1])
+
+        llm._enqueue = buggy_enqueue
+        return engine
+
+
+class CowSkippedAtTwoSharers:
+    """cb_impl with the copy-on-write bug at two sharers (see the module docstring)."""
+
+    def __new__(cls, model, **options):
+        engine = _cb_impl(model, options)
+        bm = engine.engine.block_manager
+        refs = bm.ref_counts
+        may_append = bm.may_append
+
+        def buggy_append(seq, num_new_tokens):
+            start, table, bs = seq.num_computed_tokens, seq.block_table, bm.block_size
+            if not (start % bs and refs[table[start // bs]] == 2):
+                return may_append(seq, num_new_tokens)
+            seq.count("cow_2")  # the engine reports the copy (a verdict must not rest on the engine's word) ...
+            grow = -(-(start + num_new_tokens) // bs) - len(table)  # ... but never makes it: both sequences write
+            table.extend(bm._take() for _ in range(max(0, grow)))  # into the shared block
+            return []
+
+        bm.may_append = buggy_append
+        return engine
+
+
+class FollowerParentSeed:
+    """cb_impl with the follower seed bug (see the module docstring)."""
+
+    def __new__(cls, model, **options):
+        from cb_impl.sampler import sampling_row
+
+        engine = _cb_impl(model, options)
+        llm = engine.engine
+        scheduler = llm.scheduler
+        admit = scheduler._admit
+        requests: dict[str, RolloutRequest] = {}
+        enqueue = llm._enqueue
+
+        def remembering_enqueue(request) -> None:
+            requests[request.request_id] = request
+            enqueue(request)
+
+        wrong: list = []
+
+        def buggy_admit(batch, budget):
+            budget = admit(batch, budget)
+            for seq in scheduler.running:
+                if seq.parent is not None:  # a follower, forked (and sampled) after this step: the parent's seed
+                    own, parent = requests[seq.request_id], requests[seq.parent.request_id]
+                    seq.sampler_row = sampling_row(own.sampling, parent.seed)
+                    wrong.append(seq)
+            return budget
+
+        def postprocess(batch, tokens, logprobs):
+            finished = scheduler_postprocess(batch, tokens, logprobs)
+            for seq in wrong:  # from its second token on, its own seed again
+                seq.sampler_row = sampling_row(requests[seq.request_id].sampling, requests[seq.request_id].seed)
+            if wrong:
+                wrong.clear()
+                llm._sampled_seqs = []  # the engine rebuilds its sampling constants from the rows
+            return finished
+
+        scheduler_postprocess = scheduler.postprocess
+        llm._enqueue, scheduler._admit, scheduler.postprocess = remembering_enqueue, buggy_admit, postprocess
+        return engine

@@ -37,7 +37,9 @@ def test_with_sharing_on_each_group_prefills_once_and_copies_its_partly_filled_b
 ):
     """A group of G requests with one prompt (room for all, no preemption): G - 1 followers forked from one prefill,
     the prompt's tokens through the model once per group, and, when the prompt ends inside a block, G - 1 copies of
-    that shared block (every writer but the last copies it) -- the counters verify reports as events."""
+    that shared block (every writer but the last copies it) -- the counters verify reports as events. Per request
+    (``last_events``, what verify's mechanism table sums): each follower one shared prefill, and per group one copy
+    made while 2 sequences held the block and G - 2 while 3 or more did."""
     model, _ = llama
     group = 3
     engine = LLMEngine(model, EngineConfig(block_size=block_size, num_blocks=64))
@@ -49,6 +51,14 @@ def test_with_sharing_on_each_group_prefills_once_and_copies_its_partly_filled_b
     assert stats["num_preemptions"] == 0 and stats["num_shared_prefills"] == len(prompts) * (group - 1), stats
     assert stats["num_prefill_tokens"] == sum(len(p) for p in prompts), stats
     assert stats["num_cow_copies"] == sum(group - 1 for p in prompts if len(p) % block_size), stats
+    events = engine.last_events
+    total = lambda name: sum(e.get(name, 0) for e in events.values())  # noqa: E731
+    assert total("shared_prefill") == len(prompts) * (group - 1)
+    assert {rid for rid, e in events.items() if "shared_prefill" in e} == {
+        r.request_id for i, r in enumerate(requests) if i % group}  # fmt: skip
+    partial = sum(1 for p in prompts if len(p) % block_size)
+    assert (total("cow_2"), total("cow_3plus")) == (partial, partial * (group - 2)), events
+    assert total("preemption") == total("partial_prefill") == 0
 
 
 def test_the_attention_pair_counters_count_each_step_s_needed_and_computed_query_key_pairs(llama):

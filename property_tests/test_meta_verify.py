@@ -99,9 +99,12 @@ def test_each_workload_dimension_catches_the_fault_only_it_exposes(tmp_path, mon
 
 
 def test_without_groups_an_engine_that_shares_a_groups_seed_goes_unseen(tmp_path, monkeypatch):
-    """The control for the group dimension: one sample per prompt cannot tell the seeds apart."""
+    """The control for the group dimension: one sample per prompt, and no probe groups, cannot tell the seeds apart;
+    the probes' groups alone can."""
+    assert _verdicts(tmp_path, "GroupSharesSeed", monkeypatch, "--no-pressure", "--group-size", "1",
+                     "--no-probes") == {"faulty:GroupSharesSeed": "PASS"}  # fmt: skip
     assert _verdicts(tmp_path, "GroupSharesSeed", monkeypatch, "--no-pressure", "--group-size", "1") == {
-        "faulty:GroupSharesSeed": "PASS"}  # fmt: skip
+        "faulty:GroupSharesSeed": "FAIL"}  # fmt: skip
 
 
 def test_several_eos_ids_catch_an_engine_that_stops_on_the_first_only(tmp_path, monkeypatch):
@@ -109,9 +112,49 @@ def test_several_eos_ids_catch_an_engine_that_stops_on_the_first_only(tmp_path, 
     shutil.copytree(MODELS_DIR / "tiny-llama-arith", two_eos)
     newline = tasks.VOCAB["\n"]  # every reasoning line ends with it: a second EOS that fires early
     (two_eos / "generation_config.json").write_text(json.dumps({"eos_token_id": [tasks.EOS_ID, newline]}))
-    verdicts = _verdicts(tmp_path, "OnlyFirstEos", monkeypatch, "--no-pressure", "--model", str(two_eos))
+    verdicts = _verdicts(tmp_path, "OnlyFirstEos", monkeypatch, "--no-pressure", "--no-probes", "--model",
+                         str(two_eos))  # fmt: skip
     assert set(verdicts.values()) == {"FAIL"}
-    assert set(_verdicts(tmp_path, "OnlyFirstEos", monkeypatch, "--no-pressure").values()) == {"PASS"}
+    assert set(_verdicts(tmp_path, "OnlyFirstEos", monkeypatch, "--no-pressure", "--no-probes").values()) == {"PASS"}
+    assert set(_verdicts(tmp_path, "OnlyFirstEos", monkeypatch, "--no-pressure").values()) == {"FAIL"}  # the probes
+
+
+@pytest.mark.parametrize(("fault", "mechanism"), [("CbOnlyFirstEos", "eos-later-id"),
+                                                  ("CowSkippedAtTwoSharers", "cow-2-sharers"),
+                                                  ("FollowerParentSeed", "follower-own-seed")])  # fmt: skip
+def test_the_mechanism_probes_catch_faults_inside_cb_impl_that_the_plain_workload_misses(tmp_path, monkeypatch,
+                                                                                        fault, mechanism):  # fmt: skip
+    """Three faults planted in cb_impl's own mechanisms (several EOS ids, copy on write at two sharers, a group
+    follower's first draw): on the trained arithmetic model the plain workload reaches none of them decisively (its
+    group members draw alike, its rollouts stop on the one EOS id) and the run passes; with the probes it fails,
+    and a failing request is named with the mechanism it exercised."""
+    assert _verdicts(tmp_path, fault, monkeypatch, "--no-pressure", "--no-probes") == {"cb_impl": "PASS"}
+    assert _verdicts(tmp_path, fault, monkeypatch, "--no-pressure") == {"cb_impl": "FAIL"}
+    row = json.loads((tmp_path / "r.json").read_text())["engines"][0]
+    named = [p for p in row["problems"] if p.startswith(("request ", "log-probs off")) and mechanism in p]
+    assert named, row["problems"]
+
+
+def test_a_mechanism_an_engine_claims_and_the_run_never_reaches_fails_the_run_and_is_named(tmp_path, capsys,
+                                                                                         monkeypatch):  # fmt: skip
+    """cb_impl with prefix sharing off still claims it: every row passes, the run fails on the mechanism table. Without
+    the probes their mechanisms are 'not asked', and so are the pressure mechanisms without the pressure row."""
+    from cbverify.cli import verify
+
+    monkeypatch.setitem(verify.DEFAULT_ENGINE_OPTIONS, "cb_impl", verify.DEFAULT_ENGINE_OPTIONS["cb_impl"] | {
+        "enable_prefix_sharing": False})  # fmt: skip
+    argv = ["verify", "--engines", "cb_impl", "--num-prompts", "2", "--max-new-tokens", "8", "--dist-samples", "0",
+            "--no-pressure", "--json", str(tmp_path / "r.json")]  # fmt: skip
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [r["status"] for r in report["engines"]] == ["PASS"]
+    table = {m["mechanism"]: m["status"] for m in report["mechanisms"]}
+    assert table["prefix-sharing"] == "NOT REACHED by cb_impl" and table["preemption"] == "not asked: --no-pressure"
+    assert "FAIL: " in out and "claimed and never reached: prefix-sharing" in out
+    assert main([*argv, "--no-probes"]) == 1
+    table = {m["mechanism"]: m["status"] for m in json.loads((tmp_path / "r.json").read_text())["mechanisms"]}
+    assert table["group-of-2"] == "not asked: --no-probes" and table["prefix-sharing"] == "NOT REACHED by cb_impl"
 
 
 def test_memory_pressure_catches_a_preemption_bug_the_roomy_cache_never_triggers(tmp_path, monkeypatch):

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from cbverify import report
+from cbverify import mechanisms, report
 from cbverify.checkpoint import Checkpoint, brief, open_checkpoint
 from cbverify.cli import MAX_SEED, held_stderr, integer, refuse, seed_type
 from cbverify.decisive import render, tally, vacuous
@@ -85,6 +85,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-pressure", action="store_true",
                         help="skip the CB engines' second run with a KV cache too small for the workload and a "
                         "token budget below the longest prompt (preemption / eviction, chunked prefill)")  # fmt: skip
+    parser.add_argument("--no-probes", action="store_true",
+                        help="leave out the mechanism probes (groups of 2 and more whose draws differ, requests that "
+                        "stop on a later EOS id); their mechanisms are then 'not asked' (cbverify.mechanisms)")  # fmt: skip
     parser.add_argument("--seed", type=seed_type(), default=0,
                         help=f"seed of the prompt set and of the sampling seeds, in [0, {MAX_SEED}]")  # fmt: skip
     parser.add_argument(
@@ -168,6 +171,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         with phases("setup", "distribution request"):
             sampled = most_testable(model, requests, args.dist_samples)
+        if workload.probes:
+            with phases("setup", "mechanism probes"):
+                requests += mechanisms.group_probes(
+                    model, [r.prompt_ids for r in requests], seed=args.seed, group_size=workload.group_size,
+                    max_new_tokens=requests[0].sampling.max_new_tokens, eos_token_ids=requests[0].eos_token_ids)
     except Exception as err:  # the oracle's own forward pass fails on this checkpoint: nothing can be judged
         return _oracle_fails(args.model, err)
     short = replace(sampled.sampling, max_new_tokens=4)  # a few positions suffice; the nodes thin out fast
@@ -177,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
         + (f" --prompts {args.prompts}" if args.prompts else "") \
         + (f" --grpo-config {args.grpo_config}" if args.grpo_config else "")  # fmt: skip
     names = ["reference"] + [n for n in args.engines if n != "reference"]
-    runs = [n for n in names[1:] for _ in range(1 + (n in PRESSURE_ENGINES and not args.no_pressure))]
+    runs = [n for n in names[1:] for _ in range(1 + (n in PRESSURE_ENGINES and not args.no_pressure))]  # estimate
     rows, estimate = [], None
     ref_engine = get_engine("reference", model)
     try:
@@ -192,8 +200,16 @@ def run(args: argparse.Namespace) -> int:
                     estimate = estimate_run(model, requests, steps, runs, args.dist_samples, dist)
                     phases.note(f"verify: estimated ~{estimate.seconds:.0f}s ({estimate.basis})")
                 advance(1)
+        if workload.probes:  # requests that stop on a later EOS id, derived from the oracle's rollouts
+            probes = mechanisms.eos_probes(requests, reference)
+            with phases("reference", "generate", len(probes)) as advance:
+                for request in probes:
+                    reference += ref_engine.generate([request])
+                    advance(1)
+            requests += probes
     except Exception as err:  # nothing can be judged without the oracle: say so in one line
         return _oracle_fails(args.model, err)
+    touched = mechanisms.workload_touches(requests, reference)
     ref_wall = phases.seconds[("reference", "generate")]
     lengths = [len(r.completion_ids) for r in reference]
     rest = estimate_run(model, requests, steps, runs, args.dist_samples, dist, lengths=lengths)
@@ -201,17 +217,19 @@ def run(args: argparse.Namespace) -> int:
     for name in names:
         if name == "reference":
             row = report.evaluate_engine(_Replay(ref_engine, reference), model, requests, reference, tier,
-                                         phases=phases)  # fmt: skip
+                                         phases=phases, tags=touched)  # fmt: skip
             row.wall_s = row.phase_s["generate"] = ref_wall
             if "reference" not in args.engines:
                 continue
         else:
-            row = _evaluate(name, model, requests, reference, tier, repro, dist, args.dist_samples, phases=phases)
+            row = _evaluate(name, model, requests, reference, tier, repro, dist, args.dist_samples, phases=phases,
+                            tags=touched)  # fmt: skip
         rows.append(row)
-        if name in PRESSURE_ENGINES and not args.no_pressure and row.status != "N/A":
-            options, why = pressure_options(name, workload, model)
+        if not args.no_pressure and row.status != "N/A" and (name == "vllm" or sizable(row.sizing)):
+            options, why = pressure_options(name, replace(workload, requests=tuple(requests)), model, row.sizing)
             label = f"{name}[pressure]"
-            row = _evaluate(name, model, requests, reference, tier, repro, (), 0, options, phases=phases, label=label)
+            row = _evaluate(name, model, requests, reference, tier, repro, (), 0, options, phases=phases, label=label,
+                            tags=touched)  # fmt: skip
             row.engine, row.notes = label, [why, *row.notes]
             rows.append(row)
     total = time.perf_counter() - started
@@ -229,11 +247,15 @@ def run(args: argparse.Namespace) -> int:
     print(render(tallies, title="decisiveness over the engines"))
     if empty := vacuous(tallies):
         print(f"FAIL: {len(empty)} check(s) judged no engine (NOT-APPLICABLE on every one): {', '.join(empty)}")
+    ran = [(r.engine.split("[")[0], r.spec_sampling, r.declared, r.mechanisms) for r in rows
+           if r.engine != "reference" and r.status != "N/A" and r.completion_tokens]  # fmt: skip
+    coverage = mechanisms.reach(touched, ran, probes=workload.probes, pressure=not args.no_pressure)
+    print(mechanisms.render(coverage))
     guess = "" if estimate is None else f", estimated ~{estimate.seconds:.0f}s"
     phases.note(f"verify: wall seconds per engine and phase ({total:.1f}s in all{guess}):\n{phases.table()}")
     if args.profile is not None:
         phases.note(f"verify: cProfile per phase in {args.profile} (summary.txt: the top functions of each)")
-    for path, render_file in ((args.json, lambda e, r: report.to_json(e, r, timing)),
+    for path, render_file in ((args.json, lambda e, r: report.to_json(e, r, timing, coverage)),
                               (args.markdown, report.render_markdown)):  # fmt: skip
         if path is not None:
             try:
@@ -241,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
             except OSError as err:
                 return refuse("verify", f"cannot write {path}: {brief(err)}")
     ok = all(r.status == "PASS" or r.status.startswith("XFAIL") or (r.status == "N/A" and args.allow_na) for r in rows)
-    return 0 if ok and not empty else 1
+    return 0 if ok and not empty and not mechanisms.unreached(coverage) else 1
 
 
 class StepTimer:
@@ -366,7 +388,7 @@ def _prepare(args: argparse.Namespace):
         ckpt, prompts_file=args.prompts, num_prompts=args.num_prompts, seed=args.seed, max_new_tokens=max_new,
         sampled=rollout_config.sampling if rollout_config else None,
         group_size=args.group_size or (rollout_config.num_generations if rollout_config else DEFAULT_GROUP_SIZE),
-        eos_token_ids=rollout_config.eos_token_ids if rollout_config else None,
+        eos_token_ids=rollout_config.eos_token_ids if rollout_config else None, probes=not args.no_probes,
     )  # fmt: skip
     if args.profile is not None:
         args.profile.mkdir(exist_ok=True)
@@ -380,7 +402,7 @@ def _prepare(args: argparse.Namespace):
 
 
 def _evaluate(name, model, requests, reference, tier, repro, dist, dist_samples, options=None, *, phases=None,
-              label=None) -> report.EngineRow:  # fmt: skip
+              label=None, tags=None) -> report.EngineRow:  # fmt: skip
     """One engine's row; building it is part of the verdict (a refusal is N/A, any other failure a FAIL)."""
     phases = phases if phases is not None else report.Phases()
     built = report.EngineRow(name)
@@ -394,7 +416,7 @@ def _evaluate(name, model, requests, reference, tier, repro, dist, dist_samples,
         built.problems = [f"construction failed: {type(err).__name__}: {err}"]
         return built
     row = report.evaluate_engine(engine, model, requests, reference, tier, repro=repro, dist_requests=dist,
-                                 dist_samples=dist_samples, phases=phases, label=label)  # fmt: skip
+                                 dist_samples=dist_samples, phases=phases, label=label, tags=tags)  # fmt: skip
     row.phase_s = built.phase_s | row.phase_s
     finding = architecture_finding(name, model.config.model_type, row.problems) if row.status == "FAIL" else None
     if finding is not None:  # a registered upstream failure on this transformers release: reported, not hidden
@@ -417,7 +439,7 @@ def _evaluate(name, model, requests, reference, tier, repro, dist, dist_samples,
     return row
 
 
-PRESSURE_ENGINES = ("cb_impl", "transformers-cb", "vllm")
+PRESSURE_ENGINES = ("cb_impl", "transformers-cb", "vllm")  # the built-in engines that get a pressure row
 CB_IMPL_EVENTS = {
     "num_partial_prefills": "chunked prefills",
     "num_preemptions": "preemptions",
@@ -426,11 +448,22 @@ CB_IMPL_EVENTS = {
 }
 
 
-def pressure_options(name: str, workload: Workload, model) -> tuple[dict, str]:
+def sizable(sizing: list[dict]) -> bool:
+    """Whether an engine's declared sizing (``Capabilities.sizing`` as dicts) can put it under pressure: a KV-cache
+    or a per-step token budget it lets the caller set. Such an engine, ours, transformers CB's or a plug-in's, gets a
+    pressure row."""
+    return any(o["role"] in ("kv_blocks", "batch_tokens") for o in sizing)
+
+
+def pressure_options(name: str, workload: Workload, model, sizing: list[dict] = ()) -> tuple[dict, str]:
     """The CB engine's options for a second run under pressure: KV blocks for the longest request alone (so the
     rest are preempted / evicted and recomputed) and a per-step token budget of half the longest prompt (so every
-    long prompt is prefilled in chunks); and the sentence saying so."""
-    block = 32 if name == "vllm" else 16  # vLLM-CPU's attention takes multiples of 32 only
+    long prompt is prefilled in chunks), each option named and clamped to its range by the engine's ``sizing``
+    (vLLM's in its own terms); and the sentence saying so."""
+    roles = {o["role"]: o for o in sizing}
+    clamp = lambda o, v: max(o["min"], min(o["max"], v))  # noqa: E731
+    block = 32 if name == "vllm" else clamp(roles["block_size"], 16) if "block_size" in roles else 16  # vLLM-CPU's
+    # attention takes multiples of 32 only
     longest = max(len(r.prompt_ids) + r.sampling.max_new_tokens for r in workload.requests)
     needed = sum(-(-(len(r.prompt_ids) + r.sampling.max_new_tokens) // block) for r in workload.requests)
     blocks, budget = pressure_sizes(workload.requests, block)  # the conformance suite's tight end too
@@ -439,8 +472,8 @@ def pressure_options(name: str, workload: Workload, model) -> tuple[dict, str]:
                    "max_num_batched_tokens": budget, "max_num_seqs": budget, "max_model_len": longest,
                    "enable_chunked_prefill": True}  # fmt: skip
     else:
-        options = {"cb_impl": {"block_size": block}, "transformers-cb": {"page_size": block}}[name]
-        options |= {"num_blocks": blocks, "max_batch_tokens": budget}
+        values = {"block_size": block, "kv_blocks": blocks, "batch_tokens": budget}
+        options = {o["name"]: clamp(o, values[role]) for role, o in roles.items() if role in values}
     why = (f"pressure: {blocks} KV blocks of {block} for a workload that needs up to {needed}; {budget} tokens per "
            f"step, longest prompt {workload.longest_prompt}")  # fmt: skip
     return options, why
@@ -451,7 +484,9 @@ def _workload_summary(ckpt: Checkpoint, workload: Workload, config: RolloutConfi
     samplings = sorted(
         {f"T={s.temperature:g}/k={s.top_k}/p={s.top_p:g}/min_p={s.min_p:g}" for s in workload.samplings}
     )
-    groups = f"each greedy + a group of {workload.group_size}"
+    groups = f"each greedy + a group of {workload.group_size}" + (
+        f"; probes: groups of 2 and {max(3, workload.group_size)} at T={mechanisms.PROBE_SAMPLING.temperature:g}, "
+        "requests that stop on a later EOS id" if workload.probes else "")  # fmt: skip
     out = {
         "prompts": f"{workload.num_prompts} ({workload.prompt_source}), {groups}",
         "sampled": ", ".join(samplings),

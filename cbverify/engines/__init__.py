@@ -66,6 +66,10 @@ class Capabilities:
       role, accepted range). The conformance suite builds the engine with values drawn from these ranges, their
       tight end included (:func:`pressure_sizes`), so that chunked prefill, preemption and eviction happen under
       every property; an engine that declares none is only ever run at the sizes its factory picks.
+    - ``mechanisms``: ids of :data:`MECHANISMS` the engine implements and counts. After each ``generate`` it reports
+      in ``last_run.extra["mechanisms"]`` which requests each one touched and how often (``{request_id:
+      {mechanism: times}}``, untouched requests left out). ``cbverify verify`` fails a run in which a declared
+      mechanism was never reached: a check of an engine is only as good as what its workload made the engine do.
     """
 
     spec_sampling: bool
@@ -78,6 +82,7 @@ class Capabilities:
     follows_weight_updates: bool = False
     deviations: tuple[str, ...] = ()
     sizing: tuple[SizingOption, ...] = ()
+    mechanisms: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.logprob_semantics not in ("processed", "raw", "none"):
@@ -86,6 +91,11 @@ class Capabilities:
         unknown = [d for d in self.deviations if d not in DEVIATIONS]
         if unknown:
             raise ValueError(f"unknown deviations {unknown}; known: {', '.join(DEVIATIONS)}")
+        object.__setattr__(self, "mechanisms", tuple(self.mechanisms))
+        unknown = [m for m in self.mechanisms if m not in MECHANISMS]
+        if unknown or len(set(self.mechanisms)) != len(self.mechanisms):
+            raise ValueError(f"mechanisms must name each of {', '.join(MECHANISMS)} at most once, got "
+                             f"{list(self.mechanisms)}")  # fmt: skip
         if isinstance(self.sizing, str | bytes | dict) or not isinstance(self.sizing, Sequence):
             raise ValueError(f"sizing must be a sequence of SizingOption, got {self.sizing!r}")
         sizing = tuple(o if isinstance(o, SizingOption) else SizingOption(**o) if isinstance(o, dict) else o
@@ -150,6 +160,28 @@ def pressure_sizes(requests: Sequence[RolloutRequest], block_size: int) -> tuple
     longest = max(len(r.prompt_ids) + r.sampling.max_new_tokens for r in requests)
     longest_prompt = max(len(r.prompt_ids) for r in requests)
     return -(-longest // block_size) + 1, max(2, longest_prompt // 2)
+
+
+@dataclass(frozen=True, slots=True)
+class Mechanism:
+    """A mechanism inside an engine that an engine may declare (``Capabilities.mechanisms``) and must then count.
+    ``pressure``: reached only under memory and step pressure (``cbverify verify``'s pressure rows)."""
+
+    id: str
+    description: str
+    pressure: bool = False
+
+
+MECHANISMS: dict[str, Mechanism] = {
+    m.id: m
+    for m in (
+        Mechanism("prefix-sharing", "a request forked from another with the same prompt: the prompt's KV shared"),
+        Mechanism("cow-2-sharers", "copy-on-write of a shared, partly filled block that 2 sequences hold"),
+        Mechanism("cow-3plus-sharers", "copy-on-write of a shared, partly filled block that 3 or more hold"),
+        Mechanism("chunked-prefill", "a prompt prefilled over several steps", pressure=True),
+        Mechanism("preemption", "a running request preempted and recomputed or resumed", pressure=True),
+    )
+}
 
 
 @dataclass(frozen=True, slots=True)

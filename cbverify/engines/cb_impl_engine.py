@@ -13,7 +13,8 @@ raises :class:`NotApplicable` with the engine's reason.
 
 Cost (``last_run``, :class:`cbverify.engines.RunStats`): the window is the whole call; TTFT is the end of the
 engine's first step (``step`` is wrapped on the instance for the call); KV is the engine's cache; ``extra["stats"]``
-holds the engine's counters (``LLMEngine.stats``, cumulative since construction) plus ``kv_peak_used_bytes``.
+holds the engine's counters (``LLMEngine.stats``, cumulative since construction) plus ``kv_peak_used_bytes``;
+``extra["mechanisms"]`` what its declared mechanisms did to each request of the call (``LLMEngine.last_events``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ from cbverify.engines import (
     clock,
 )
 from reference.spec import Rollout, RolloutRequest
+
+
+EVENT_MECHANISMS = {  # cb_impl.sequence.EVENTS -> cbverify.engines.MECHANISMS
+    "shared_prefill": "prefix-sharing", "cow_2": "cow-2-sharers", "cow_3plus": "cow-3plus-sharers",
+    "partial_prefill": "chunked-prefill", "preemption": "preemption",
+}  # fmt: skip
 
 
 class CbImplEngine:
@@ -54,6 +61,7 @@ class CbImplEngine:
             SizingOption("max_batch_tokens", "batch_tokens", 1, 2**16),
             SizingOption("max_num_seqs", "num_seqs", 1, 2**10),
         ),
+        mechanisms=("prefix-sharing", "cow-2-sharers", "cow-3plus-sharers", "chunked-prefill", "preemption"),
     )
 
     def __init__(self, model, *, window_hook: WindowHook | None = None, **config) -> None:
@@ -98,8 +106,10 @@ class CbImplEngine:
         stats = {k: v for k, v in self.stats.items() if isinstance(v, int | float | str)}
         if stats.get("num_blocks"):
             stats["kv_peak_used_bytes"] = stats["kv_cache_bytes"] * stats["peak_used_blocks"] // stats["num_blocks"]
+        touched = {rid: {EVENT_MECHANISMS[e]: n for e, n in events.items()}
+                   for rid, events in self.engine.last_events.items()}  # fmt: skip
         self.last_run = RunStats(
             generate_s=end - start, ttft_s=first_step_end[0] - start if first_step_end else None,
-            kv_reserved_bytes=stats.get("kv_cache_bytes"), extra={"stats": stats},
+            kv_reserved_bytes=stats.get("kv_cache_bytes"), extra={"stats": stats, "mechanisms": touched},
         )  # fmt: skip
         return rollouts

@@ -72,7 +72,7 @@ ARCHITECTURE_FINDINGS: tuple[ArchitectureFinding, ...] = (
         "support; the 8 untied ones also diverge in greedy tokens at positions 1-4), each of the 16 without it "
         "passes",
         features=("attention softcap",),
-        problems=(r"^request '[^']+': tokens diverge at position \d+", r"^log-probs off: max "),
+        problems=(r"^request '[^']+'( \([^)]*\))?: tokens diverge at position \d+", r"^log-probs off: max "),
     ),
     ArchitectureFinding(
         id="cb-cache-lacks-get-seq-length",
