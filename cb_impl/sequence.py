@@ -20,7 +20,6 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-
 EVENTS = {
     "shared_prefill": "forked from the request ahead of it with the same prompt: its prompt's blocks shared",
     "cow_2": "copied a shared, partly filled block before writing into it, the block then having 2 sharers",

@@ -4,7 +4,8 @@ A check is only as good as what its workload reached: an engine that honours onl
 passes every check of a workload whose rollouts never stop on another; one that shares a seed or a KV block between
 two members of a group passes wherever the members happen to draw the same tokens (a trained model sure of its
 answer). So ``verify`` adds probes to its workload (:func:`group_probes` before the oracle runs, drawn so that the
-members' first tokens differ; :func:`eos_probes` from the oracle's rollouts) and judges its coverage (:func:`reach`), as it judges its checks' decisiveness.
+members' first tokens differ; :func:`eos_probes` from the oracle's rollouts) and judges its coverage
+(:func:`reach`), as it judges its checks' decisiveness.
 
 Workload mechanisms (:data:`WORKLOAD_MECHANISMS`) are read off the requests and the oracle's rollouts, the same for
 every engine they apply to:
@@ -102,9 +103,11 @@ def eos_probes(requests: Sequence[RolloutRequest], rollouts: Sequence[Rollout]) 
         if wanted[request.sampling.greedy] is None:
             for k in range(max(1, len(c) // 2), len(c)):
                 if c[k] not in c[:k] and c[k] not in request.eos_token_ids:
-                    wanted[request.sampling.greedy] = replace(request, request_id=f"{PROBE_PREFIX}-eos-later-"
-                                                              f"{request.request_id}",
-                                                              eos_token_ids=(*request.eos_token_ids, c[k]))
+                    wanted[request.sampling.greedy] = replace(
+                        request,
+                        request_id=f"{PROBE_PREFIX}-eos-later-{request.request_id}",
+                        eos_token_ids=(*request.eos_token_ids, c[k]),
+                    )
                     break  # fmt: skip
         if stopped is None and rollout.finish_reason == "stop" and c:
             others = tuple(e for e in request.eos_token_ids if e != c[-1])
@@ -228,4 +231,3 @@ def render(table: Sequence[Reach]) -> str:
     if missing := unreached(table):
         text.append(f"FAIL: {len(missing)} mechanism(s) claimed and never reached: {', '.join(missing)}")
     return "\n".join(text)
-

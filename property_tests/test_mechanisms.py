@@ -40,7 +40,8 @@ def _touches(*pairs):
 
 
 def test_a_stop_on_a_later_eos_id_counts_and_a_stop_on_the_first_does_not():
-    touched = _touches(_pair("a", (4, 7), eos=(9, 7), sampling=GREEDY), _pair("b", (4, 9), eos=(9, 7), sampling=GREEDY),
+    touched = _touches(_pair("a", (4, 7), eos=(9, 7), sampling=GREEDY),
+                       _pair("b", (4, 9), eos=(9, 7), sampling=GREEDY),
                        _pair("c", (4, 5), eos=(9, 7), sampling=GREEDY))  # fmt: skip
     assert touched == {"a": {"eos-later-id": 1}}
 

@@ -87,7 +87,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "token budget below the longest prompt (preemption / eviction, chunked prefill)")  # fmt: skip
     parser.add_argument("--no-probes", action="store_true",
                         help="leave out the mechanism probes (groups of 2 and more whose draws differ, requests that "
-                        "stop on a later EOS id); their mechanisms are then 'not asked' (cbverify.mechanisms)")  # fmt: skip
+                        "stop on a later EOS id); their mechanisms are then 'not asked' "
+                        "(cbverify.mechanisms)")  # fmt: skip
     parser.add_argument("--seed", type=seed_type(), default=0,
                         help=f"seed of the prompt set and of the sampling seeds, in [0, {MAX_SEED}]")  # fmt: skip
     parser.add_argument(
@@ -174,8 +175,13 @@ def run(args: argparse.Namespace) -> int:
         if workload.probes:
             with phases("setup", "mechanism probes"):
                 requests += mechanisms.group_probes(
-                    model, [r.prompt_ids for r in requests], seed=args.seed, group_size=workload.group_size,
-                    max_new_tokens=requests[0].sampling.max_new_tokens, eos_token_ids=requests[0].eos_token_ids)
+                    model,
+                    [r.prompt_ids for r in requests],
+                    seed=args.seed,
+                    group_size=workload.group_size,
+                    max_new_tokens=requests[0].sampling.max_new_tokens,
+                    eos_token_ids=requests[0].eos_token_ids,
+                )
     except Exception as err:  # the oracle's own forward pass fails on this checkpoint: nothing can be judged
         return _oracle_fails(args.model, err)
     short = replace(sampled.sampling, max_new_tokens=4)  # a few positions suffice; the nodes thin out fast
@@ -255,8 +261,10 @@ def run(args: argparse.Namespace) -> int:
     phases.note(f"verify: wall seconds per engine and phase ({total:.1f}s in all{guess}):\n{phases.table()}")
     if args.profile is not None:
         phases.note(f"verify: cProfile per phase in {args.profile} (summary.txt: the top functions of each)")
-    for path, render_file in ((args.json, lambda e, r: report.to_json(e, r, timing, coverage)),
-                              (args.markdown, report.render_markdown)):  # fmt: skip
+    for path, render_file in (
+        (args.json, lambda e, r: report.to_json(e, r, timing, coverage)),
+        (args.markdown, lambda e, r: report.render_markdown(e, r) + _markdown_table(coverage)),
+    ):
         if path is not None:
             try:
                 path.write_text(render_file(env, rows))
@@ -264,6 +272,14 @@ def run(args: argparse.Namespace) -> int:
                 return refuse("verify", f"cannot write {path}: {brief(err)}")
     ok = all(r.status == "PASS" or r.status.startswith("XFAIL") or (r.status == "N/A" and args.allow_na) for r in rows)
     return 0 if ok and not empty and not mechanisms.unreached(coverage) else 1
+
+
+def _markdown_table(coverage: list[mechanisms.Reach]) -> str:
+    """The mechanism table as Markdown, after the engines' rows."""
+    lines = ["", "| mechanism | source | claimed by | times | sequences | status |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r.mechanism} | {r.source} | {', '.join(r.engines) or '-'} | {r.times} | {r.sequences} "
+              f"| {r.status} |" for r in coverage]  # fmt: skip
+    return "\n".join(lines) + "\n"
 
 
 class StepTimer:

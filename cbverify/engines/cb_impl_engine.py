@@ -34,7 +34,6 @@ from cbverify.engines import (
 )
 from reference.spec import Rollout, RolloutRequest
 
-
 EVENT_MECHANISMS = {  # cb_impl.sequence.EVENTS -> cbverify.engines.MECHANISMS
     "shared_prefill": "prefix-sharing", "cow_2": "cow-2-sharers", "cow_3plus": "cow-3plus-sharers",
     "partial_prefill": "chunked-prefill", "preemption": "preemption",
