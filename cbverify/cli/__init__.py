@@ -24,6 +24,7 @@ SUBCOMMANDS = {
     "bench": ("cbverify.cli.bench", "side-by-side throughput/memory benchmarks with plots"),
     "upstream": ("cbverify.cli.upstream", "TRL / transformers integration checks and the findings registry"),
     "matrix": ("cbverify.cli.matrix", "run the upstream checks across several transformers/trl versions"),
+    "bisect": ("cbverify.cli.bisect", "where a finding came in: over releases, or over a local checkout's commits"),
     "zoo": ("cbverify.cli.zoo", "every engine on tiny checkpoints of many architectures; the coverage table"),
     "fuzz": ("cbverify.cli.fuzz", "Hypothesis search over one engine's configurations and call patterns"),
     "env": ("cbverify.cli.env", "build or inspect the environments of engines that cannot share ours (vllm)"),

@@ -1,0 +1,104 @@
+"""``cbverify bisect FINDING``: where a registered finding came in, over releases or over a checkout's commits.
+
+``--transformers 5.8..5.24`` / ``--trl 1.0..1.16``: every final release in the range, binary-searched with the
+finding's standalone repro, one cached venv per probed release (:mod:`cbverify.upstream.bisect`); prints each probe,
+the last good and first bad release, and whether the finding's typed range agrees with the probes (exit 1 when it
+does not, or when the search could not decide). ``--record`` keeps the result in
+``cbverify/upstream/bisections.json``, which the registry's tests hold the typed ranges to.
+
+``--transformers-src PATH`` / ``--trl-src PATH`` with ``--good REF --bad REF``: ``git bisect run`` with the repro over
+the checkout's commits (the checkout must be clean; it is reset afterwards), naming the first bad commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from cbverify import data
+from cbverify.cli import refuse
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("finding", help="a finding id of `cbverify upstream`'s list that has a standalone repro")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--transformers", metavar="FIRST..LAST", help="bisect transformers releases, e.g. 5.8..5.24")
+    where.add_argument("--trl", metavar="FIRST..LAST", help="bisect trl releases, e.g. 1.0..1.16")
+    where.add_argument("--transformers-src", type=Path, metavar="PATH", help="bisect a transformers git checkout")
+    where.add_argument("--trl-src", type=Path, metavar="PATH", help="bisect a trl git checkout")
+    parser.add_argument("--good", metavar="REF", help="with --*-src: a commit where the repro passes")
+    parser.add_argument("--bad", metavar="REF", help="with --*-src: a commit where the repro fails")
+    parser.add_argument("--record", action="store_true",
+                        help="keep a release bisection as the finding's last "
+                        "(cbverify/upstream/bisections.json)")  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    from cbverify.upstream import bisect
+    from cbverify.upstream.findings import FINDINGS
+
+    finding = next((f for f in FINDINGS if f.id == args.finding), None)
+    if finding is None:
+        scripted = ", ".join(f.id for f in FINDINGS if f.script)
+        return refuse("bisect", f"unknown finding {args.finding!r}; findings with a standalone repro: {scripted}")
+    try:
+        script = bisect.script_of(finding)
+    except ValueError as err:
+        return refuse("bisect", err)
+    source = args.transformers_src or args.trl_src
+    if source is not None:
+        return _git(args, bisect, finding, script, source, "transformers" if args.transformers_src else "trl")
+    if args.good or args.bad:
+        return refuse("bisect", "--good / --bad go with --transformers-src or --trl-src")
+    package = "transformers" if args.transformers else "trl"
+    try:
+        first, last = bisect.parse_range(args.transformers or args.trl)
+        versions = bisect.releases_between(package, first, last)
+    except (ValueError, RuntimeError) as err:
+        return refuse("bisect", err)
+    print(f"bisect {finding.id}: {len(versions)} {package} releases {versions[0]}..{versions[-1]}, repro "
+          f"{script.name}", flush=True)  # fmt: skip
+    log_dir = data.workdir("matrix-venvs")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with (log_dir / f"bisect-{finding.id}-{package}.log").open("w") as log:
+        try:
+            probe = bisect.release_probe(finding, package, log)
+        except RuntimeError as err:
+            return refuse("bisect", err)
+
+        def shown(version: str) -> bisect.Probe:
+            result = probe(version)
+            print(f"  probe {package} {version}: {result.verdict} ({result.seconds:.0f}s)"
+                  + (f": {result.detail.splitlines()[-1]}" if result.verdict == bisect.ERROR and result.detail
+                     else ""), flush=True)  # fmt: skip
+            return result
+
+        result = bisect.search(versions, shown, finding=finding.id, package=package)
+    print(result.describe())
+    typed = getattr(finding, package)
+    wrong = bisect.disagreements(typed, result.probes)
+    print(f"affected (bisected): {result.affected or 'none'}; the registry says {typed or 'every version'!r}: "
+          + ("agrees" if not wrong else "DISAGREES: " + "; ".join(wrong)))  # fmt: skip
+    if args.record and result.change != "unknown":
+        bisect.record(result)
+        print(f"recorded in {bisect.BISECTIONS}")
+    return 0 if result.change != "unknown" and not wrong else 1
+
+
+def _git(args, bisect, finding, script: Path, source: Path, package: str) -> int:
+    if not (args.good and args.bad):
+        return refuse("bisect", f"--{package}-src needs --good REF and --bad REF")
+    if not (source / ".git").exists():
+        return refuse("bisect", f"{source} is not a git checkout")
+    try:
+        command, env = bisect.checkout_command(script, source, package)
+        found = bisect.git_bisect(source, args.good, args.bad, command, env=env)
+    except (ValueError, RuntimeError) as err:
+        return refuse("bisect", err)
+    if found.first_bad is None:
+        print(found.log[-2000:], file=sys.stderr)
+        print(f"bisect {finding.id}: git bisect could not name a first bad commit between {args.good} and {args.bad}")
+        return 1
+    print(f"bisect {finding.id}: first bad commit {found.first_bad} ({found.subject})")
+    return 0
