@@ -90,7 +90,12 @@ def load_tokenizer(path: Path):
     """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    declared = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
-    if declared in ("TokenizersBackend", "PreTrainedTokenizerFast"):
-        return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    if config.get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+        if "model_input_names" not in config and "token_type_ids" in tokenizer.model_input_names:
+            # transformers 4.x's PreTrainedTokenizerFast returns token_type_ids unless told otherwise (5.0's
+            # TokenizersBackend does not), and a causal LM's generate() refuses them; our checkpoints declare none
+            tokenizer.model_input_names = [n for n in tokenizer.model_input_names if n != "token_type_ids"]
+        return tokenizer
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
