@@ -1,6 +1,6 @@
 """The TRL compatibility layer against the *installed* release.
 
-``cbverify matrix`` runs this file in every TRL venv (1.0 on), so each test here is checked on each release: the
+``cbverify matrix`` runs this file in every TRL venv (0.24 on), so each test here is checked on each release: the
 layer's names reach the installed trainers and configs, a missing feature is refused naming the release (never
 dropped), and what it reads off a real trainer (EOS ids, ``_generate``'s layout, the IS-bound attributes) is what
 that trainer uses.
@@ -76,3 +76,77 @@ def test_a_real_trainer_generates_with_the_eos_ids_read_by_the_layer_and_holds_t
     else:
         with pytest.raises(compat.MissingFeature, match=rf"trl {compat.VERSION}: .*no lower IS bound"):
             compat.is_bound_attributes(0.5, 3.0)
+
+
+# the three shapes rollout_func calls take in TRL's GRPOTrainer: inside the vLLM branch only (0.25 to 0.27), handed to
+# the vLLM backend and never called by the trainer (0.28), called before any backend is chosen (0.29 on)
+_INSIDE_VLLM = '''
+def _generate_single_turn(self, prompts):
+    if self.use_vllm:
+        if self.vllm_mode == "server":
+            pass
+        elif self.vllm_mode == "colocate":
+            if self.rollout_func is not None:
+                output = self.rollout_func(prompts, self)
+    else:
+        output = self.model.generate(prompts)
+'''
+_HANDED_ON = '''
+def _generate_single_turn(self, prompts):
+    if self.use_vllm:
+        output = self.vllm_generation.generate(prompts)
+    else:
+        output = self.model.generate(prompts)
+'''
+_BEFORE_BACKENDS = '''
+def _generate(self, prompts):
+    if self.rollout_func is not None:
+        if self.use_vllm and self.state.global_step != self._last_loaded_step:
+            self.sync()
+        output = self.rollout_func(prompts, self)
+    else:
+        output = self._generate_single_turn(prompts)
+'''
+_IN_ELSE_OF_VLLM = '''
+def _generate_single_turn(self, prompts):
+    if not self.use_vllm_flag and self.use_vllm:
+        pass
+    else:
+        output = self.rollout_func(prompts, self)
+'''
+
+
+def test_a_rollout_func_call_counts_only_outside_every_vllm_branch():
+    assert not compat.calls_rollout_func_off_vllm(_INSIDE_VLLM)
+    assert not compat.calls_rollout_func_off_vllm(_HANDED_ON)
+    assert compat.calls_rollout_func_off_vllm(_BEFORE_BACKENDS)
+    assert compat.calls_rollout_func_off_vllm(_IN_ELSE_OF_VLLM)
+
+
+def test_the_installed_trainer_calls_rollout_func_exactly_when_the_layer_says_it_does(llama):
+    """A real one-step run with a ``rollout_func`` that counts its calls (and completes every row with EOS): the
+    layer's :func:`~cbverify.upstream.trl_compat.rollout_func_off_vllm` must agree, and the rollout_func path is
+    refused, naming the release, exactly where the trainer would not call it."""
+    from cbverify.upstream.scenario import release_trainer
+
+    calls = []
+
+    def rollout_func(prompts, trainer):
+        calls.append(len(prompts))
+        ids = [llama.tokenizer(p)["input_ids"] for p in prompts]
+        return {"prompt_ids": ids, "completion_ids": [[tasks.EOS_ID]] * len(ids), "logprobs": [[0.0]] * len(ids)}
+
+    if "rollout_func" not in __import__("inspect").signature(compat.GRPOTrainer.__init__).parameters:
+        pytest.skip(f"trl {compat.VERSION}: GRPOTrainer takes no rollout_func")
+    trainer = build_trainer(TrainerScenario(path="rollout_func"), __import__("copy").deepcopy(llama.model),
+                            llama.tokenizer, rollout_func=rollout_func)  # fmt: skip
+    try:
+        trainer.train()
+    finally:
+        release_trainer(trainer)
+    assert bool(calls) == compat.rollout_func_off_vllm(), f"trl {compat.VERSION}: rollout_func called {len(calls)}x"
+    if not calls:
+        with pytest.raises(compat.MissingFeature, match=rf"trl {compat.VERSION}: .*only on its vLLM path"):
+            compat.require_path("grpo", "rollout_func")
+    else:
+        compat.require_path("grpo", "rollout_func")

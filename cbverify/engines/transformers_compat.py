@@ -22,7 +22,9 @@ the installed release does not name is refused by :func:`batch_kwargs` (``persis
 ``destroy_cached_manager`` drops the manager a ``persistent_manager=True`` call cached on the model; the defaults a
 ``GenerationConfig`` field left unset takes (:func:`generation_defaults`) are the release's own table.
 
-Read off every minor release's newest patch (``cbverify matrix --all-minors 5.8`` builds them all).
+Read off every minor release's newest patch (``cbverify matrix --all-minors 5.8`` builds them all). transformers 4.x
+(which ``cbverify matrix`` installs beside trl 0.14 to 0.28) has no ``ContinuousBatchingConfig``: this module still
+imports there, and everything that drives continuous batching is refused through :func:`require`, naming the release.
 
 Callers use the current names (``page_size``, ...). A field the installed release does not have is refused with
 :class:`MissingFeature`, naming the release, unless its value is the library default (``None``): never silently
@@ -35,18 +37,32 @@ import inspect
 from contextlib import contextmanager
 
 import transformers
-from transformers.generation import ContinuousBatchingConfig
-from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 
 VERSION = transformers.__version__
-FIELDS = frozenset(ContinuousBatchingConfig.__dataclass_fields__)
+try:
+    from transformers.generation import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+except ImportError:  # transformers 4.x (beside trl before 0.29): its generate_batch takes no configuration object
+    ContinuousBatchingConfig = ContinuousBatchingManager = None
+# why the installed release has no continuous batching this layer can drive, or None
+ABSENT: str | None = (f"transformers {VERSION} has no ContinuousBatchingConfig (continuous batching with a "
+                      "configuration: 5.x)") if ContinuousBatchingConfig is None else None  # fmt: skip
+FIELDS = frozenset(ContinuousBatchingConfig.__dataclass_fields__) if ContinuousBatchingConfig else frozenset()
 PAGE_FIELD = "page_size" if "page_size" in FIELDS else "block_size"
-DEFAULT_PAGE_SIZE: int = ContinuousBatchingConfig.__dataclass_fields__[PAGE_FIELD].default
+DEFAULT_PAGE_SIZE: int | None = (ContinuousBatchingConfig.__dataclass_fields__[PAGE_FIELD].default
+                                 if ContinuousBatchingConfig else None)  # fmt: skip
 CAN_PAUSE: bool = hasattr(ContinuousBatchingManager, "pause")
 
 
 class MissingFeature(ValueError):
     """The installed transformers lacks a continuous-batching option that was asked for."""
+
+
+def require() -> None:
+    """Refuse (:class:`MissingFeature`, naming the release) where the installed transformers has no
+    ``ContinuousBatchingConfig`` at all (4.x)."""
+    if ABSENT is not None:
+        raise MissingFeature(ABSENT)
 
 
 def has(field: str) -> bool:
@@ -56,6 +72,7 @@ def has(field: str) -> bool:
 
 def config_kwargs(**options) -> dict:
     """``ContinuousBatchingConfig`` keyword arguments for the installed release, from current names."""
+    require()
     out = {}
     for name, value in options.items():
         installed = PAGE_FIELD if name == "page_size" else name
@@ -130,6 +147,7 @@ BATCH_PARAMETERS: frozenset[str] = _batch_parameters()  # generate_batch's named
 def batch_kwargs(**options) -> dict:
     """``generate_batch`` keyword arguments for the installed release: a named parameter it lacks is refused with
     :class:`MissingFeature` (naming the release) unless its value is the default (``None`` / ``False``)."""
+    require()
     if not BATCH_PARAMETERS:
         raise MissingFeature(f"transformers {VERSION}: no generate_batch")
     out = {}

@@ -13,10 +13,19 @@ time, at most :data:`MAX_ADDED`, each printed and logged. A stamp file records w
 added, so a rerun reuses the venv. :func:`minor_releases` lists the newest patch of every minor release of a package
 from a floor (``--all-minors 5.8`` for transformers, ``--all-trl-minors 1.0``), read from the package index. What
 runs inside each venv is :mod:`cbverify.upstream.matrix_checks`.
+
+A trl release that cannot import ``GRPOTrainer`` beside transformers 5 (before
+:data:`cbverify.upstream.trl_compat.TRANSFORMERS_5_FROM`, 0.29; the reason is in that module) is paired with the
+newest transformers 4.x its own metadata allows instead (:func:`paired_transformers`: the ``Requires-Dist`` of its
+wheel, downloaded without dependencies, against the index's transformers releases), whichever transformers 5 was
+asked for beside it; the combination's name and stamp say the transformers it was built with. Beside transformers 4.x
+``datasets`` is left to the resolver: the pinned datasets 5.2 needs ``huggingface_hub>=1.31``, which transformers 4.x
+(``huggingface_hub<1.0``) refuses.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -41,10 +50,92 @@ def _spec(package: str, value: str | None) -> str | None:
 
 
 def combo_name(transformers: str, trl: str | None) -> str:
+    """The venv's folder name: the transformers it is built with (:func:`paired_transformers`) and the trl."""
+
     def part(v: str) -> str:
         return "path-" + hashlib.sha1(v.encode()).hexdigest()[:8] if Path(v).expanduser().exists() else v
 
+    try:
+        transformers = paired_transformers(transformers, trl)
+    except RuntimeError:  # the index is unreachable: ensure_venv reports it as the venv's error
+        pass
     return f"transformers-{part(transformers)}" + (f"_trl-{part(trl)}" if trl else "_trl-pinned")
+
+
+def _version(value: str | None):
+    """``value`` as a ``Version``, or ``None`` for a checkout path, nothing, or anything else that is not one."""
+    from packaging.version import InvalidVersion, Version
+
+    if value is None or Path(value).expanduser().exists():
+        return None
+    try:
+        return Version(value)
+    except InvalidVersion:
+        return None
+
+
+@functools.cache
+def index_versions(package: str) -> tuple[str, ...]:
+    """Every release of ``package`` the package index lists (``pip index versions``), newest first; an unreachable
+    index is a ``RuntimeError``."""
+    proc = subprocess.run([sys.executable, "-m", "pip", "index", "versions", package],
+                          capture_output=True, text=True)  # fmt: skip
+    listed = [ln for ln in proc.stdout.splitlines() if ln.startswith("Available versions:")]
+    if proc.returncode or not listed:
+        raise RuntimeError(f"cannot list {package} releases: {(proc.stderr or proc.stdout).strip()[-200:]}")
+    return tuple(x.strip() for x in listed[0].split(":", 1)[1].split(","))
+
+
+@functools.cache
+def requires(package: str, version: str, dependency: str):
+    """The ``SpecifierSet`` that release ``version`` of ``package`` puts on ``dependency`` (its wheel's
+    ``Requires-Dist`` lines without an extra, the wheel downloaded without dependencies into the venv folder's
+    ``_metadata``); a download that fails is a ``RuntimeError``."""
+    import zipfile
+
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    folder = data.workdir("matrix-venvs") / "_metadata"
+    folder.mkdir(parents=True, exist_ok=True)
+    wheels = sorted(folder.glob(f"{package.replace('-', '_')}-{version}-*.whl"))
+    if not wheels:
+        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+                               "--dest", str(folder), f"{package}=={version}"], capture_output=True, text=True)  # fmt: skip
+        wheels = sorted(folder.glob(f"{package.replace('-', '_')}-{version}-*.whl"))
+        if proc.returncode or not wheels:
+            raise RuntimeError(f"cannot download {package}=={version} to read its metadata: "
+                               f"{(proc.stderr or proc.stdout).strip()[-200:]}")  # fmt: skip
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        metadata = next(n for n in wheel.namelist() if n.endswith(".dist-info/METADATA"))
+        lines = wheel.read(metadata).decode().splitlines()
+    spec = SpecifierSet()
+    for line in lines:
+        if line.startswith("Requires-Dist:"):
+            req = Requirement(line.split(":", 1)[1].strip())
+            if req.name.lower() == dependency.lower() and (req.marker is None or req.marker.evaluate({"extra": ""})):
+                spec &= req.specifier
+    return spec
+
+
+def paired_transformers(transformers: str, trl: str | None) -> str:
+    """The transformers a combination is built with: ``transformers``, unless ``trl`` is a release before
+    :data:`~cbverify.upstream.trl_compat.TRANSFORMERS_5_FROM` (its ``GRPOTrainer`` cannot import beside transformers
+    5) and ``transformers`` is 5 or later: then the newest final transformers 4.x that the trl release's metadata
+    allows (a ``RuntimeError`` when the index cannot say)."""
+    from packaging.version import Version
+
+    from cbverify.upstream.trl_compat import TRANSFORMERS_5_FROM
+
+    asked, release = _version(transformers), _version(trl)
+    if asked is None or release is None or asked.major < 5 or release >= Version(TRANSFORMERS_5_FROM):
+        return transformers
+    allowed = requires("trl", trl, "transformers")
+    candidates = [v for v in map(Version, index_versions("transformers"))
+                  if v.major < 5 and not (v.is_prerelease or v.is_devrelease) and v in allowed]  # fmt: skip
+    if not candidates:
+        raise RuntimeError(f"trl {trl} allows transformers {allowed or 'any'}, and the index lists no final 4.x in it")
+    return str(max(candidates))
 
 
 def _pip(python: Path, *args: str, log) -> tuple[bool, str]:
@@ -86,6 +177,15 @@ def _add_cbverify(python: Path, site: Path, log) -> tuple[bool, str]:
 
 def ensure_venv(venv: Path, transformers: str, trl: str | None, log) -> str | None:
     """Create or reuse the venv; ``None`` when ready, else the install error's last line."""
+    try:
+        paired = paired_transformers(transformers, trl)
+    except RuntimeError as err:
+        return str(err)
+    if paired != transformers:
+        print(f"[{venv.name}] trl {trl} cannot import GRPOTrainer beside transformers {transformers}: built with "
+              f"transformers {paired}, the newest 4.x its metadata allows", flush=True)  # fmt: skip
+        log.write(f"transformers {transformers} asked; trl {trl} needs 4.x: transformers {paired}\n")
+        transformers = paired
     wanted = {"torch": TORCH_PIN, "transformers": _spec("transformers", transformers),
               "trl": _spec("trl", trl) or "pinned"}  # fmt: skip
     stamp, python = venv / ".cbverify-stamp", venv / "bin" / "python"
@@ -100,9 +200,10 @@ def ensure_venv(venv: Path, transformers: str, trl: str | None, log) -> str | No
         (site / "cbverify-shared-torch.pth").write_text(f"{base}\n")  # appended after the venv's own site-packages
     trl_req = _spec("trl", trl) or _pinned_trl()
     constraints = venv / "constraints-except-varied.txt"
-    pinned = [ln for ln in _pinned_others() if ln.split("==")[0].lower() in _project_deps()]
-    constraints.write_text("".join(ln + "\n" for ln in pinned))
-    others = [ln.split("==")[0] for ln in pinned]
+    unpinned = UNPINNED_BESIDE_4 if (_version(transformers) or _version("5")).major < 5 else set()
+    deps = [ln for ln in _pinned_others() if ln.split("==")[0].lower() in _project_deps()]
+    constraints.write_text("".join(ln + "\n" for ln in deps if ln.split("==")[0].lower() not in unpinned))
+    others = [ln.split("==")[0] for ln in deps]
     args = ("-c", str(constraints), TORCH_PIN, _spec("transformers", transformers), trl_req, *others)
     ok, last = _pip(python, *args, log=log)
     if not ok:
@@ -152,14 +253,9 @@ def minor_releases(package: str, since: str) -> list[str]:
     unreachable index is an error."""
     from packaging.version import Version
 
-    proc = subprocess.run([sys.executable, "-m", "pip", "index", "versions", package],
-                          capture_output=True, text=True)  # fmt: skip
-    listed = [ln for ln in proc.stdout.splitlines() if ln.startswith("Available versions:")]
-    if proc.returncode or not listed:
-        raise RuntimeError(f"cannot list {package} releases: {(proc.stderr or proc.stdout).strip()[-200:]}")
     floor = Version(since)
     newest: dict[tuple[int, int], Version] = {}
-    for v in (Version(x.strip()) for x in listed[0].split(":", 1)[1].split(",")):
+    for v in map(Version, index_versions(package)):
         if v.is_prerelease or v.is_devrelease or (v.major, v.minor) < (floor.major, floor.minor):
             continue
         newest[(v.major, v.minor)] = max(v, newest.get((v.major, v.minor), v))
@@ -167,6 +263,8 @@ def minor_releases(package: str, since: str) -> list[str]:
 
 
 VARIED = {"torch", "transformers", "trl", "tokenizers"}  # tokenizers: each transformers pins its own range
+# left to the resolver beside transformers 4.x: datasets 5.2 (pinned) needs huggingface_hub>=1.31, 4.x wants <1.0
+UNPINNED_BESIDE_4 = {"datasets"}
 
 
 def _project_deps() -> set[str]:

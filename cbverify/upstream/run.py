@@ -26,7 +26,7 @@ import torch
 from cbverify.upstream import trl_compat
 from cbverify.upstream.capture import Capture, install
 from cbverify.upstream.rollout import make_rollout_func
-from cbverify.upstream.scenario import TrainerScenario, build_trainer, release_trainer
+from cbverify.upstream.scenario import TrainerScenario, build_trainer, config_args, release_trainer
 
 VLLM_ELSEWHERE = (
     "vLLM is not installed in this environment: `cbverify upstream --run --path vllm` runs the vllm path in the vllm "
@@ -75,6 +75,9 @@ def not_applicable(scenario: TrainerScenario) -> str | None:
         trl_compat.require_hooks(scenario.trainer)
         if scenario.trainer == "grpo":
             trl_compat.require_loss_type(scenario.loss_type)
+        if missing := trl_compat.missing_fields(scenario.trainer, config_args(scenario, "-")):
+            cls = trl_compat.TRAINERS[scenario.trainer][1].__name__
+            return f"trl {trl_compat.VERSION}: {cls} has no {', '.join(missing)}"
     except trl_compat.MissingFeature as missing:
         return str(missing)
     if scenario.path == "cb" and (reason := transformers_cb_support(scenario.cb_return_logprobs)):

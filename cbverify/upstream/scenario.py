@@ -297,7 +297,7 @@ def _build_trainer(scenario: TrainerScenario, model, tokenizer, rollout_func, ou
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func's "experimental" banner, every run
-    args = _common_args(scenario, output_dir)
+    args = config_args(scenario, output_dir)
     dataset = make_dataset(scenario)
     rewards = [REWARDS[name] for name in scenario.reward_names]
     common = dict(model=model, reward_funcs=rewards, train_dataset=dataset, processing_class=tokenizer)
@@ -306,12 +306,22 @@ def _build_trainer(scenario: TrainerScenario, model, tokenizer, rollout_func, ou
     if scenario.trainer == "grpo":
         from trl import GRPOTrainer
 
-        args.update(loss_type=scenario.loss_type, importance_sampling_level=scenario.importance_sampling_level,
-                    vllm_importance_sampling_correction=scenario.is_correction,
-                    vllm_importance_sampling_mode=scenario.is_mode, **_math_args(scenario))  # fmt: skip
-        return GRPOTrainer(args=trl_compat.config("grpo", **args), rollout_func=rollout_func, **common)
+        if rollout_func is not None:  # a release before trl 0.25 takes no rollout_func argument at all
+            common["rollout_func"] = rollout_func
+        return GRPOTrainer(args=trl_compat.config("grpo", **args), **common)
     if rollout_func is not None:
         trl_compat.require_path("rloo", "rollout_func")
     from trl import RLOOTrainer
 
-    return RLOOTrainer(args=trl_compat.config("rloo", **args, **_math_args(scenario)), **common)
+    return RLOOTrainer(args=trl_compat.config("rloo", **args), **common)
+
+
+def config_args(scenario: TrainerScenario, output_dir: str) -> dict:
+    """The keyword arguments of the trainer's config for ``scenario`` (``GRPOConfig`` / ``RLOOConfig``); a field the
+    installed release lacks is refused when the config is built (:func:`cbverify.upstream.trl_compat.config`)."""
+    args = _common_args(scenario, output_dir)
+    if scenario.trainer == "grpo":
+        args.update(loss_type=scenario.loss_type, importance_sampling_level=scenario.importance_sampling_level,
+                    vllm_importance_sampling_correction=scenario.is_correction,
+                    vllm_importance_sampling_mode=scenario.is_mode)  # fmt: skip
+    return args | _math_args(scenario)

@@ -63,7 +63,10 @@ import trl
 from packaging.version import Version
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
-# the oldest trl this layer reaches beside transformers >= 5 (the module docstring says why the releases before stop)
+# the oldest trl whose GRPOTrainer imports beside transformers >= 5 (the module docstring says why the releases before
+# do not); ``cbverify matrix`` pairs an older one with the newest transformers 4.x it allows
+TRANSFORMERS_5_FROM = "0.29"
+# the oldest trl this layer reaches (beside transformers 4.x before TRANSFORMERS_5_FROM)
 FLOOR = "0.29"
 
 VERSION = trl.__version__
@@ -94,7 +97,7 @@ def fields(trainer: str) -> frozenset[str]:
 def config(trainer: str, **options):
     """The trainer's config built from ``options``; a field the release lacks is refused (:class:`MissingFeature`)."""
     cls = TRAINERS[trainer][1]
-    if missing := sorted(set(options) - fields(trainer)):
+    if missing := missing_fields(trainer, options):
         raise MissingFeature(f"trl {VERSION}: {cls.__name__} has no {', '.join(missing)}")
     return cls(**options)
 
@@ -113,10 +116,46 @@ def require_path(trainer: str, path: str) -> None:
         raise MissingFeature(f"trl {VERSION}: {config_cls.__name__} has no use_transformers_continuous_batching")
     if path == "rollout_func" and "rollout_func" not in inspect.signature(cls.__init__).parameters:
         raise MissingFeature(f"trl {VERSION}: {cls.__name__} takes no rollout_func")
+    if path == "rollout_func" and not rollout_func_off_vllm():
+        raise MissingFeature(f"trl {VERSION}: {cls.__name__} calls rollout_func only on its vLLM path (use_vllm=True); "
+                             "without vLLM it generates with model.generate and never calls it")  # fmt: skip
     if path == "vllm" and "vllm_mode" not in fields(trainer):
         raise MissingFeature(f"trl {VERSION}: {config_cls.__name__} has no vllm_mode (colocated vLLM)")
     if path == "vllm" and importlib.util.find_spec("trl.generation.vllm_generation") is None:
         raise MissingFeature(f"trl {VERSION}: no trl.generation.vllm_generation (the vLLM driver this path wraps)")
+
+
+def calls_rollout_func_off_vllm(source: str) -> bool:
+    """Whether ``source`` (a method's) calls ``*.rollout_func(...)`` outside every ``if`` branch whose test reads
+    ``use_vllm`` or ``vllm_mode`` (an ``else`` of such an ``if`` is outside it)."""
+
+    def vllm_branch(test: ast.AST) -> bool:
+        return any(isinstance(n, ast.Attribute) and n.attr in ("use_vllm", "vllm_mode") for n in ast.walk(test))
+
+    def outside(node: ast.AST, inside_vllm: bool) -> bool:
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "rollout_func"
+                and not inside_vllm):  # fmt: skip
+            return True
+        if isinstance(node, ast.If) and vllm_branch(node.test):
+            return any(outside(child, True) for child in node.body) or any(
+                outside(child, inside_vllm) for child in node.orelse)  # fmt: skip
+        return any(outside(child, inside_vllm) for child in ast.iter_child_nodes(node))
+
+    return outside(ast.parse(textwrap.dedent(source)), False)
+
+
+@cache
+def rollout_func_off_vllm() -> bool:
+    """Whether the installed ``GRPOTrainer`` calls its ``rollout_func`` without vLLM (in ``_generate`` or
+    ``_generate_single_turn``, outside its vLLM branches): from trl 0.29 on; 0.25 to 0.27 call it only inside
+    ``if self.use_vllm``, 0.28 hands it to its vLLM generation backend only."""
+    methods = [getattr(GRPOTrainer, name, None) for name in ("_generate", "_generate_single_turn")]
+    return any(calls_rollout_func_off_vllm(inspect.getsource(m)) for m in methods if m is not None)
+
+
+def missing_fields(trainer: str, options: dict) -> list[str]:
+    """The fields of ``options`` the installed ``trainer`` config lacks (sorted)."""
+    return sorted(set(options) - fields(trainer))
 
 
 def loss_types() -> tuple[str, ...]:
