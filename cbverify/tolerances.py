@@ -6,6 +6,7 @@ tolerance literal (a test may compute a bound from one of these, e.g. ``FP32.log
 | name | what it bounds |
 |---|---|
 | :data:`FP32`, :data:`BF16`, :data:`FP16` (:func:`tier_for`) | an engine's tokens and log-probs against the oracle |
+| :func:`recurrent_tier` (:func:`tier_for_model`, :data:`RECURRENT_GROWTH`) | the same in float32 on a model whose decode is a recurrence (linear attention, state-space, convolution: :func:`recurrent_state`), growing with the sequence |
 | :data:`LOW_PRECISION` | TRL's bf16-autocast trainer log-probs against the float32 oracle |
 | :data:`SAME_LOGITS_ATOL` | two implementations of the sampling rule on the *same* float32 logits |
 | :data:`PASS_THROUGH_ATOL` | a float32 value handed from one component to another unchanged |
@@ -169,6 +170,99 @@ def tier_for(dtype: torch.dtype | str) -> Tier:
     if name in tiers:
         return tiers[name]
     raise ValueError(f"no tolerance tier for dtype {dtype!r} (float32, bfloat16, float16)")
+
+
+# A recurrent decode (linear attention, state-space, short convolution: ``recurrent_state``) updates a fixed-size state
+# one token at a time, while a prefill (the oracle's full recompute, its teacher forcing) runs a chunked scan or a
+# convolution over the whole sequence: two right computations whose float32 difference grows with the sequence, as
+# reduction-order noise of attention over stored keys does not. Measured with ``python -m cbverify.zoo.measure_noise
+# --archs qwen3_next olmo_hybrid mamba mamba2 lfm2 falcon_h1 bamba granitemoehybrid jamba llama --new-tokens 112
+# --seeds 4`` (CPU, torch 2.13.0, transformers 5.24.0, 1 thread; 9 requests of 112 tokens on a 12-token prompt per
+# architecture, |Δ log-prob| against teacher forcing scaled by ``logprob_scale``), max over positions and per token of
+# context (|Δ| / t, t the position's 1-based index in prompt + completion):
+# - gated delta-rule layers: qwen3_next hf-generate 1.75e-4 (3.24e-6 per token), the reference itself 7.8e-5
+#   (7.6e-7); olmo_hybrid 4.1e-5 (8.1e-7), the reference 2.5e-5; from ~1e-6 in the first 8 positions, growing;
+# - state-space and convolution layers (hf-generate, the reference): mamba 9.1e-6 (4.5e-7), 3.3e-6; granitemoehybrid
+#   4.7e-6, 3.4e-6; jamba 3.8e-6, 3.0e-6; falcon_h1 3.1e-6, 2.3e-6; lfm2 2.5e-6, 1.6e-6; mamba2 2.4e-6, 1.2e-6;
+#   bamba 1.7e-6, 1.4e-6: inside the fp32 tier, but the same kind of computation (the tier goes by what a model
+#   computes; a tighter one for scans that happen to be quiet would be tuned to these weights);
+# - attention only, for comparison: llama hf-generate 3.0e-6, the reference 3.1e-6, flat in length.
+# So the bound grows by 1e-5 per token of context (3x the largest rate, 3.24e-6), from the fp32 tier's 5e-5 up
+# (:func:`recurrent_tier`): at the zoo's 26 tokens 2.6e-4, at 112 + 12 tokens 1.24e-3, still ~80x below a dropped
+# softcap's 0.095 and far below a state carried wrongly (O(1)). In bf16 the same layers stay inside the bf16 tier's
+# units (``--dtype bfloat16 --new-tokens 64 --seeds 2``: max 2.27 units, mamba hf-generate; qwen3_next 1.51; llama
+# 1.88; positions at a processor cut left out as the judge does): its
+# units scale with the logits, and bf16 rounding dominates the state's float32 drift, so it needs no second tier.
+RECURRENT_GROWTH = 1e-5
+
+def _cache_tensors(obj, path: str = "", depth: int = 0) -> list[tuple[str, tuple[int, ...]]]:
+    """``(path, shape)`` of every floating-point tensor of 2 or more dims reachable from a decode cache (objects,
+    lists, tuples, dicts; 5 levels)."""
+    if isinstance(obj, torch.Tensor):  # activations only: not a window size or a length kept as a tensor
+        return [(path, tuple(obj.shape))] if obj.is_floating_point() and obj.ndim >= 2 else []
+    if depth > 5 or obj is None or isinstance(obj, (str, int, float, bool, torch.nn.Module, torch.dtype)):
+        return []
+    if isinstance(obj, dict):
+        items = obj.items()
+    elif isinstance(obj, (list, tuple)):
+        items = enumerate(obj)
+    else:
+        slots = [s for cls in type(obj).__mro__ for s in getattr(cls, "__slots__", ())]
+        fields = dict(getattr(obj, "__dict__", {})) | {s: getattr(obj, s) for s in slots if hasattr(obj, s)}
+        items = ((k, v) for k, v in fields.items() if k != "config")
+    return [t for k, v in items for t in _cache_tensors(v, f"{path}.{k}" if path else str(k), depth + 1)]
+
+
+def recurrent_state(model) -> tuple[str, ...]:
+    """The parts of ``model``'s decode cache that carry a fixed-size state: tensors whose shape is the same after a
+    prefill of 2 and of 3 tokens (a key / value cache grows by a row per token; a linear-attention, state-space or
+    convolution state does not). Non-empty: the model's decode is a recurrence over that state, not attention over
+    stored keys, and computes its tokens differently from a prefill of the whole sequence (a chunked scan, a
+    convolution over the sequence). Read off two tiny forwards of the model itself, not its name or config."""
+    param = next(model.parameters())
+    shapes = []
+    with torch.no_grad():
+        for n in (2, 3):
+            ids = (torch.arange(1, n + 1) % model.config.vocab_size).unsqueeze(0).to(param.device)  # (1, n)
+            out = model(input_ids=ids, use_cache=True)
+            cache = next((out[k] for k in ("cache", "past_key_values", "cache_params", "state") if out.get(k) is not None),
+                         None)  # names of one object across releases: read one
+            shapes.append(dict(_cache_tensors(cache)))
+    short, long = shapes
+    return tuple(path for path, shape in long.items() if short.get(path) == shape)
+
+
+def recurrent_tier(max_length: int) -> Tier:
+    """The float32 tier of a model whose decode is a recurrence (:func:`recurrent_state`), for sequences of up to
+    ``max_length`` tokens (prompt and completion): :data:`FP32`'s bounds times ``max(1, RECURRENT_GROWTH *
+    max_length / FP32.logprob_max_abs)``, the decision-score gap of a near-tie with them (see :data:`RECURRENT_GROWTH`
+    for the measurement)."""
+    if max_length < 1:
+        raise ValueError(f"max_length must be >= 1, got {max_length}")
+    factor = max(1.0, RECURRENT_GROWTH * max_length / FP32.logprob_max_abs)
+    return Tier(
+        name="fp32-recurrent",
+        token_rule="exact_or_near_tie",
+        near_tie_gap=FP32.near_tie_gap * factor,
+        logprob_max_abs=FP32.logprob_max_abs * factor,
+        logprob_mean_abs=FP32.logprob_mean_abs * factor,
+        reason=f"float32 with a recurrent decode (linear attention, state-space, convolution): a one-token state "
+        f"update and a chunked prefill of the whole sequence differ by noise that grows with the sequence, up to "
+        f"{RECURRENT_GROWTH:g} per token of context measured x3; at {max_length} tokens {factor:.3g}x the fp32 "
+        f"tier",
+    )
+
+
+def tier_for_model(model, dtype: torch.dtype | str | None = None, *, max_length: int) -> Tier:
+    """The tier for ``model`` at ``dtype`` (default: its parameters') on sequences of up to ``max_length`` tokens:
+    :func:`tier_for`, except that a float32 model whose decode carries a recurrent state (:func:`recurrent_state`,
+    read off the model's own cache, whatever its name) gets :func:`recurrent_tier`. bf16 / fp16 bounds are already
+    relative to the logits' magnitude and hold for such layers as measured (see :data:`RECURRENT_GROWTH`)."""
+    dtype = next(model.parameters()).dtype if dtype is None else dtype
+    tier = tier_for(dtype)
+    if tier is FP32 and recurrent_state(model):
+        return recurrent_tier(max_length)
+    return tier
 
 
 # Same float32 logits through two implementations of temperature/top-k/top-p/min-p + log_softmax (cb_impl's batched

@@ -150,3 +150,34 @@ def test_a_token_divergence_is_accepted_exactly_inside_the_near_tie_gap(qwen2_mo
         div = compare.compare_tokens(qwen2_model, request, reference, swapped, engine="swap", tier=moved)
         assert div is not None and div.position == 0 and div.accepted is accepted, div.describe()
     assert not compare.compare_tokens(qwen2_model, request, reference, swapped, engine="swap", tier=tier).accepted
+
+
+
+@pytest.fixture(scope="module")
+def recurrent_case(tmp_path_factory):
+    """A zoo checkpoint whose decode is a recurrence (Qwen3-Next style: a gated delta-rule layer, then full
+    attention) in float32, the scenario's requests, the oracle's rollouts and the tier it gets
+    (``tolerances.recurrent_tier``, the widest float32 tier); the oracle's own row must PASS in it."""
+    from cbverify import zoo
+    from cbverify.tolerances import FP32, tier_for_model
+
+    model = zoo.load("qwen3_next", tmp_path_factory.mktemp("zoo"))[0]
+    requests = group(PROCESSED, n=4) + [
+        RolloutRequest("short", PROMPT, SamplingParams(temperature=0.0, max_new_tokens=2), eos_token_ids=())
+    ]
+    tier = tier_for_model(model, max_length=max(len(r.prompt_ids) + r.sampling.max_new_tokens for r in requests))
+    assert tier.name == "fp32-recurrent" and tier.logprob_max_abs > FP32.logprob_max_abs
+    reference = ReferenceEngine(model).generate(requests)
+    row = report.evaluate_engine(ReferenceEngine(model), model, requests, reference, tier)
+    assert row.status == "PASS", row
+    return model, requests, reference, tier
+
+
+@pytest.mark.parametrize(
+    "adapter", [faulty.ShiftedLogprobs, faulty.SharedRNG, faulty.DroppedLastToken, faulty.TopKAfterTopP,
+                faulty.CompletionOrder],
+)  # fmt: skip
+def test_under_the_recurrent_tier_the_verify_row_still_turns_fail_for_every_faulty_adapter(recurrent_case, adapter):
+    model, requests, reference, tier = recurrent_case
+    row = report.evaluate_engine(adapter(model), model, requests, reference, tier)
+    assert row.status == "FAIL", row

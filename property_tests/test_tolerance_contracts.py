@@ -94,3 +94,41 @@ def test_the_distribution_report_gives_the_counts_and_the_first_rejected_nodes()
     assert len(lines) == 1 + 5, "the report lists the first five rejected nodes, however many there are"
     passed = DistributionResult(1e-3, tests[:3], ())
     assert passed.passed and "3 node tests" in passed.describe() and "0 rejected" in passed.describe()
+
+
+@given(length=st.integers(1, 100_000))
+def test_the_recurrent_tier_is_the_fp32_tier_grown_by_the_measured_rate_per_token_of_context(length):
+    from cbverify.tolerances import RECURRENT_GROWTH, recurrent_tier
+
+    tier = recurrent_tier(length)
+    factor = max(1.0, RECURRENT_GROWTH * length / 5e-5)  # 5e-5: the fp32 tier's max, grown once past it
+    assert tier.name == "fp32-recurrent" and tier.token_rule == "exact_or_near_tie" and tier.ulp == 0
+    assert tier.logprob_max_abs == pytest.approx(max(FP32.logprob_max_abs, RECURRENT_GROWTH * length), rel=1e-12)
+    assert tier.logprob_mean_abs == pytest.approx(FP32.logprob_mean_abs * factor, rel=1e-12)
+    assert tier.near_tie_gap == pytest.approx(FP32.near_tie_gap * factor, rel=1e-12)
+    assert recurrent_tier(length + 1).logprob_max_abs >= tier.logprob_max_abs  # never shrinks with length
+    with pytest.raises(ValueError, match="max_length must be >= 1"):
+        recurrent_tier(0)
+
+
+def test_a_model_gets_the_recurrent_tier_only_in_float32_and_only_when_its_decode_carries_a_fixed_size_state(
+    tmp_path,
+):
+    """Read off the model, not its name: a Qwen3-Next config with only full-attention layers is attention; the same
+    family with a gated delta-rule layer is recurrent; bf16 keeps the bf16 tier (its units scale with the logits)."""
+    from dataclasses import replace
+
+    from cbverify import zoo
+    from cbverify.tolerances import recurrent_state, recurrent_tier, tier_for_model
+    from reference.models import load
+
+    hybrid = zoo.by_name("qwen3_next")
+    attention = replace(hybrid, name="qwen3_next", kwargs=hybrid.kwargs | {"layer_types": ["full_attention"] * 2})
+    recurrent_model = zoo.load(hybrid, tmp_path / "hybrid")[0]
+    attention_model = zoo.load(attention, tmp_path / "attention")[0]
+    assert recurrent_state(recurrent_model) and not recurrent_state(attention_model)
+    assert tier_for_model(attention_model, max_length=400) is FP32
+    assert tier_for_model(recurrent_model, max_length=400) == recurrent_tier(400)
+    assert tier_for_model(recurrent_model, "float32", max_length=3) == recurrent_tier(3)
+    bf16 = load(tmp_path / "hybrid" / "qwen3_next", dtype="bfloat16")[0]
+    assert tier_for_model(bf16, max_length=400) is BF16

@@ -31,6 +31,10 @@ from cbverify.zoo.matrix import Cell, render_markdown, run_architecture
 from property_tests.strategies import zoo_combinations
 
 ARCH_NAMES = [a.name for a in zoo.ARCHS]
+# Recurrent entries beyond the Qwen3-Next-style hybrid and the first two (lfm2, mamba): transformers' PyTorch fallback
+# of their scans takes ~40-60 ms a forward on a shared 2-core CPU, so each costs the default run tens of seconds
+SLOW_ARCHS = {"mamba2", "olmo_hybrid", "falcon_h1", "bamba", "granitemoehybrid", "jamba"}
+ARCH_PARAMS = [pytest.param(a, marks=pytest.mark.slow) if a in SLOW_ARCHS else a for a in ARCH_NAMES]
 _CELLS: dict[str, dict[str, Cell]] = {}
 
 
@@ -56,13 +60,14 @@ def test_the_zoo_covers_twenty_architectures_with_windows_softcaps_sinks_and_moe
     assert len(ARCH_NAMES) >= 20 and len(set(ARCH_NAMES)) == len(ARCH_NAMES)
     assert required <= set(ARCH_NAMES) and {"qwen3_moe", "mixtral"} & set(ARCH_NAMES)
     features = " ".join(f for a in zoo.ARCHS for f in a.features)
-    for feature in ("sliding", "softcap", "sinks", "moe", "chunked", "convolution", "alibi", "state-space"):
+    for feature in ("sliding", "softcap", "sinks", "moe", "chunked", "convolution", "alibi", "state-space",
+                    "delta-rule linear attention", "hybrid"):
         assert feature in features, feature
     for arch in zoo.ARCHS:
         assert arch.config().model_type == arch.name
 
 
-@pytest.mark.parametrize("arch", ARCH_NAMES)
+@pytest.mark.parametrize("arch", ARCH_PARAMS)
 def test_every_engine_passes_is_refused_up_front_or_fails_as_registered(arch, zoo_dir):
     verdicts = cells(arch, zoo_dir)
     lines = [f"{c.engine}: {c.status} {c.detail}" for c in verdicts.values()]
@@ -365,3 +370,24 @@ def test_an_architecture_finding_explains_only_the_failure_it_predicts():
     )
     assert architecture_finding("transformers-cb", "gemma2", [own], features=("attention softcap",)) is None
     assert all(f.problems for f in ARCHITECTURE_FINDINGS)
+
+
+RECURRENT_LAYER_TYPES = {"linear_attention", "conv", "hybrid", "hybrid_sliding"}  # transformers' cache layer types
+
+
+def test_a_recurrent_decode_is_read_off_each_model_as_the_layer_types_its_config_declares(zoo_dir):
+    """``tolerances.recurrent_state`` (cache tensors that keep their shape from a 2- to a 3-token prefill) against an
+    independent path: the cache layer types transformers derives from the config (``get_layer_types_and_kwargs``:
+    linear attention / mamba, short convolutions, hybrid layers), for every zoo entry; the zoo holds several of each
+    kind (gated delta rule, state-space, convolution) beside attention."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    from cbverify.tolerances import recurrent_state
+
+    kinds = []
+    for arch in zoo.ARCHS:
+        model, _ = zoo.load(arch, zoo_dir)
+        declared = set(get_layer_types_and_kwargs(model.config)[0]) & RECURRENT_LAYER_TYPES
+        assert bool(recurrent_state(model)) == bool(declared), (arch.name, declared, recurrent_state(model))
+        kinds += [arch.name] if declared else []
+    assert {"qwen3_next", "olmo_hybrid", "mamba", "mamba2", "bamba", "jamba", "falcon_h1", "lfm2"} <= set(kinds)

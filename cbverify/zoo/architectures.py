@@ -37,6 +37,9 @@ SPECIAL = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, max_position_embeddings=128)  # fmt: skip
 ALTERNATING = ["sliding_attention", "full_attention"]
+HYBRID = ["linear_attention", "full_attention"]  # a recurrent layer, then full attention
+MAMBA2_SHAPE = dict(mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+                    mamba_chunk_size=8)  # fmt: skip
 
 
 def _vocab_size() -> int:
@@ -133,6 +136,32 @@ ARCHS: tuple[Arch, ...] = (
     Arch("bloom", "BloomConfig", dict(hidden_size=64, n_layer=2, n_head=4), ("alibi", "no max_position_embeddings")),
     Arch("mpt", "MptConfig", dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=128), ("alibi", "max_seq_len")),
     Arch("mamba", "MambaConfig", dict(hidden_size=64, num_hidden_layers=2, state_size=8), ("state-space layers",)),
+    # recurrent decode beside (or instead of) attention: a one-token decode updates a fixed-size state, a prefill runs
+    # a chunked scan (chunks of 8, so the zoo's requests cross chunk boundaries) or a convolution over the sequence
+    Arch("mamba2", "Mamba2Config", dict(hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16,
+                                        n_groups=1, expand=2, conv_kernel=4, chunk_size=8),
+         ("state-space layers", "chunked scan")),
+    Arch("qwen3_next", "Qwen3NextConfig", _d(layer_types=HYBRID, linear_conv_kernel_dim=4, linear_key_head_dim=16,
+                                             linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                                             moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                                             num_experts=4, num_experts_per_tok=2),
+         ("gated delta-rule linear attention", "hybrid linear/full attention", "moe")),
+    Arch("olmo_hybrid", "OlmoHybridConfig", _d(head_dim=None, layer_types=HYBRID, linear_num_key_heads=2,
+                                               linear_num_value_heads=4, linear_key_head_dim=16,
+                                               linear_value_head_dim=16, linear_conv_kernel_dim=4),
+         ("gated delta-rule linear attention", "hybrid linear/full attention")),
+    Arch("falcon_h1", "FalconH1Config", _d(mamba_d_ssm=128, **MAMBA2_SHAPE),
+         ("state-space layers", "parallel attention and state-space in every layer", "chunked scan")),
+    Arch("bamba", "BambaConfig", _d(head_dim=None, attn_layer_indices=[1], **MAMBA2_SHAPE),
+         ("state-space layers", "hybrid state-space/full attention", "chunked scan")),
+    Arch("granitemoehybrid", "GraniteMoeHybridConfig", _d(head_dim=None, layer_types=["mamba", "attention"],
+                                                          num_local_experts=4, num_experts_per_tok=2,
+                                                          shared_intermediate_size=64, **MAMBA2_SHAPE),
+         ("state-space layers", "hybrid state-space/full attention", "moe")),
+    Arch("jamba", "JambaConfig", _d(head_dim=None, num_experts=2, num_experts_per_tok=1, expert_layer_period=2,
+                                    expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8,
+                                    mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8),
+         ("state-space layers", "hybrid state-space/full attention", "moe")),
 )
 # fmt: on
 

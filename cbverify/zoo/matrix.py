@@ -4,7 +4,8 @@
 Per architecture (:func:`run_architecture`): the reference generates :func:`zoo_requests` (greedy and sampled,
 three of them 14 tokens long, well past the zoo's sliding window of ``zoo.WINDOW``), then each engine is built with
 :data:`ENGINE_OPTIONS` and judged by ``report.evaluate_engine`` in
-the tier of the dtype (``tolerances.tier_for``: float32 by default; bfloat16 / float16 cast the checkpoint): tokens
+the tier of the dtype (``tolerances.tier_for``: float32 by default; bfloat16 / float16 cast the checkpoint; in float32 a
+model whose decode is a recurrence gets ``tolerances.recurrent_tier``, read off its cache by ``tier_for_model``): tokens
 identical where the spec fixes them, up to the tier's near-ties, log-probs against teacher forcing; no distribution
 test, the cross-engine suite does that. The registered findings were measured in float32 and apply at every dtype.
 A verdict is:
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from cbverify import report
 from cbverify.engines import LOCAL_ENGINES, NotApplicable, get_engine
-from cbverify.tolerances import tier_for
+from cbverify.tolerances import tier_for, tier_for_model
 from cbverify.zoo import architectures as zoo
 from cbverify.zoo.findings import architecture_finding
 from reference.models import load as load_checkpoint
@@ -99,13 +100,15 @@ def run_architecture(
     arch: zoo.Arch | str, directory: Path | str, engines=LOCAL_ENGINES, dtype: str = "float32"
 ) -> list[Cell]:
     """Build/load ``arch`` under ``directory`` (in ``dtype``) and judge every engine in ``engines`` on
-    :func:`zoo_requests` in ``tier_for(dtype)``."""
+    :func:`zoo_requests` in ``tier_for_model`` (``tier_for(dtype)``; in float32 a model with a recurrent decode gets
+    ``recurrent_tier`` of the longest request)."""
     arch = zoo.by_name(arch) if isinstance(arch, str) else arch
     model, _ = zoo.load(arch, directory)  # built there first if absent
     if dtype != "float32":  # loaded in that dtype as a user would (rotary frequencies stay float32)
         model, _ = load_checkpoint(Path(directory) / arch.name, dtype=dtype)
-    tier = tier_for(dtype)
     requests = zoo_requests()
+    longest = max(len(r.prompt_ids) + r.sampling.max_new_tokens for r in requests)
+    tier = tier_for_model(model, dtype, max_length=longest)  # a recurrent decode's float32 noise grows with length
     oracle = get_engine("reference", model)
     reference = oracle.generate(requests)
     cells = []
