@@ -142,6 +142,33 @@ def test_every_recorded_bisection_agrees_with_its_finding_s_typed_range():
             assert bisect.disagreements(typed, result["probes"]) == [], (finding_id, package, typed)
 
 
+def test_the_command_prints_each_probe_the_change_and_the_registry_s_agreement_and_records_it(
+    tmp_path, monkeypatch, capsys
+):
+    """The release form end to end with the probes stood in for (the real ones build a venv per release: the matrix
+    marker's documented-command test runs one): a fix at 1.10.0 among 1.0.0..1.16.0, the finding's typed '<1.10'
+    agrees, ``--record`` writes it where the registry test reads; a typed range the probes contradict exits 1."""
+    versions = [f"1.{m}.{p}" for m in range(17) for p in (0, 1)]
+    monkeypatch.setattr(bisect, "releases_between", lambda package, first, last: versions)
+    monkeypatch.setattr(bisect, "release_probe", lambda finding, package, log: lambda v: Probe(
+        v, BAD if int(v.split(".")[1]) < 10 else GOOD, 1.0))  # fmt: skip
+    monkeypatch.setattr(bisect, "BISECTIONS", tmp_path / "bisections.json")
+    argv = ["bisect", "luspo-token-level-loss-counts-padding", "--trl", "1.0..1.16", "--record"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "34 trl releases 1.0.0..1.16.1" in out and "probe trl 1.0.0: bad" in out
+    assert "trl: last bad 1.9.1, first good 1.10.0" in out and "the registry says '<1.10': agrees" in out
+    import json
+
+    record = json.loads((tmp_path / "bisections.json").read_text())["luspo-token-level-loss-counts-padding"]["trl"]
+    assert (record["change"], record["before"], record["after"], record["affected"]) == ("fixed", "1.9.1", "1.10.0",
+                                                                                          "<1.10.0")  # fmt: skip
+    monkeypatch.setattr(bisect, "release_probe", lambda finding, package, log: lambda v: Probe(
+        v, BAD if int(v.split(".")[1]) < 12 else GOOD, 1.0))  # fmt: skip
+    assert main(argv[:-1]) == 1
+    assert "DISAGREES: 1.10.0 probed bad, outside '<1.10'" in capsys.readouterr().out
+
+
 def test_the_cli_module_runs_under_python_m(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "cbverify", "bisect", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "--transformers-src" in proc.stdout

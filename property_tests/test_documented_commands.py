@@ -403,6 +403,21 @@ COMMANDS: dict[str, tuple[Here | Elsewhere | Recipe | Check, ...]] = {
                   parse="cbverify matrix --all-minors 5.8 --transformers 5.16.0 {tmp}/t --all-trl-minors 0.29 --trl "
                   "1.8.0 {tmp}/trl --fuzz 2 --jobs 2"),
     ),
+    "cbverify bisect": (Here("cbverify bisect --help", 0, "argparse's --help exits 0"),),
+    "cbverify bisect luspo-token-level-loss-counts-padding --trl 1.0..1.16 --record": (
+        Here("cbverify bisect luspo-token-level-loss-counts-padding --trl 1.9..1.10", 0,
+             "a narrower range of the same search, real venvs: the fix between the two releases, the typed range "
+             "agrees", "matrix"),
+        Elsewhere("property_tests/test_bisect.py::test_the_command_prints_each_probe_the_change_and_the_registry_s_"
+                  "agreement_and_records_it", "the whole command with the releases' probes stood in for",
+                  parse="cbverify bisect luspo-token-level-loss-counts-padding --trl 1.0..1.16 --record"),
+    ),
+    "cbverify bisect dapo-normaliser-is-not-the-accumulated-batch --trl-src ~/src/trl --good v1.0.0 --bad main": (
+        Elsewhere("property_tests/test_bisect.py::test_git_bisect_names_the_first_bad_commit_of_a_synthetic_checkout_"
+                  "skipping_one_that_errs", "needs a TRL checkout: git bisect run over a synthetic one built by the "
+                  "test", parse="cbverify bisect dapo-normaliser-is-not-the-accumulated-batch --trl-src {tmp} "
+                  "--good v1.0.0 --bad main"),
+    ),
     "cbverify upstream --run": (
         Here("cbverify upstream --run --quiet", 0, "an unregistered FAIL or a FIXED? exits 1 (every path, minutes)",
              "slow"),

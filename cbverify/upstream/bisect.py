@@ -327,10 +327,11 @@ def recorded() -> dict:
     return json.loads(BISECTIONS.read_text()) if BISECTIONS.is_file() else {}
 
 
-def record(bisection: Bisection, path: Path = BISECTIONS) -> None:
+def record(bisection: Bisection, path: Path | None = None) -> None:
     """Keep ``bisection`` as its finding's last for its package (the registry test reads it)."""
     import json
 
+    path = path or BISECTIONS
     records = json.loads(path.read_text()) if path.is_file() else {}
     records.setdefault(bisection.finding, {})[bisection.package] = bisection.to_json()
     path.write_text(json.dumps(records, indent=2, sort_keys=True) + "\n")
