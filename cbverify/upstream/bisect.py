@@ -76,8 +76,10 @@ class Bisection:
         return {
             "introduced": f"{self.package}: last good {self.before}, first bad {self.after} in {span}",
             "fixed": f"{self.package}: last bad {self.before}, first good {self.after} in {span}",
-            "everywhere": f"{self.package}: bad on every release probed in {span}",
-            "nowhere": f"{self.package}: good on every release probed in {span}",
+            "everywhere": f"{self.package}: bad on every release probed in {span} (the ends agree: a behaviour that "
+            "went and came back inside the range needs narrower ranges)",
+            "nowhere": f"{self.package}: good on every release probed in {span} (the ends agree: a behaviour that "
+            "came and went inside the range, e.g. one release's, needs narrower ranges)",
         }.get(self.change, f"{self.package}: undecided in {span} (the probes that would decide it erred)")
 
     def to_json(self) -> dict:
