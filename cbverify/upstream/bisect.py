@@ -202,7 +202,8 @@ def run_script(python: str, script: Path, *, env: dict | None = None, timeout: f
                               timeout=timeout)  # fmt: skip
     except subprocess.TimeoutExpired:
         return ERROR, f"timed out after {timeout:.0f}s"
-    tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-3:])
+    lines = (proc.stdout + proc.stderr).replace("\r", "\n").splitlines()
+    tail = "\n".join([ln for ln in lines if ln.strip() and "it/s]" not in ln][-3:])  # no progress bars
     return verdict_of(proc.returncode), tail
 
 
