@@ -123,18 +123,22 @@ def test_the_command_refuses_what_it_cannot_bisect_in_one_line(capsys, tmp_path)
     assert main(["bisect", "no-such-finding", "--trl", "1.0..1.1"]) == 2
     err = capsys.readouterr().err
     assert "unknown finding 'no-such-finding'" in err and "dapo-normaliser-is-not-the-accumulated-batch" in err
+    assert "cb-fork-without-room-kills-the-loop" in err  # the fuzz findings, through the scripts cbverify fuzz writes
     assert main(["bisect", "dapo-normaliser-is-not-the-accumulated-batch", "--trl-src", str(tmp_path)]) == 2
     assert "needs --good REF and --bad REF" in capsys.readouterr().err
     assert main(["bisect", "dapo-normaliser-is-not-the-accumulated-batch", "--trl", "1.0"]) == 2
     assert "FIRST..LAST" in capsys.readouterr().err
+    assert main(["bisect", "cb-fork-without-room-kills-the-loop", "--trl", "1.0..1.1"]) == 2  # a fuzz finding
+    assert "is a transformers finding" in capsys.readouterr().err
 
 
 def test_every_recorded_bisection_agrees_with_its_finding_s_typed_range():
     """The ranges in the registry are held to the last bisection of each finding (``cbverify bisect --record``): a
     typed range that a probe contradicts fails here."""
+    from cbverify.fuzz.findings import BATCH_FINDINGS, FUZZ_FINDINGS
     from cbverify.upstream.findings import FINDINGS
 
-    by_id = {f.id: f for f in FINDINGS}
+    by_id = {f.id: f for f in (*FINDINGS, *FUZZ_FINDINGS, *BATCH_FINDINGS)}
     for finding_id, packages in bisect.recorded().items():
         assert finding_id in by_id, f"a bisection of {finding_id!r}, which is no longer registered"
         for package, result in packages.items():
@@ -150,7 +154,7 @@ def test_the_command_prints_each_probe_the_change_and_the_registry_s_agreement_a
     agrees, ``--record`` writes it where the registry test reads; a typed range the probes contradict exits 1."""
     versions = [f"1.{m}.{p}" for m in range(17) for p in (0, 1)]
     monkeypatch.setattr(bisect, "releases_between", lambda package, first, last: versions)
-    monkeypatch.setattr(bisect, "release_probe", lambda finding, package, log: lambda v: Probe(
+    monkeypatch.setattr(bisect, "release_probe", lambda script, package, log: lambda v: Probe(
         v, BAD if int(v.split(".")[1]) < 10 else GOOD, 1.0))  # fmt: skip
     monkeypatch.setattr(bisect, "BISECTIONS", tmp_path / "bisections.json")
     argv = ["bisect", "luspo-token-level-loss-counts-padding", "--trl", "1.0..1.16", "--record"]
@@ -163,7 +167,7 @@ def test_the_command_prints_each_probe_the_change_and_the_registry_s_agreement_a
     record = json.loads((tmp_path / "bisections.json").read_text())["luspo-token-level-loss-counts-padding"]["trl"]
     assert (record["change"], record["before"], record["after"], record["affected"]) == ("fixed", "1.9.1", "1.10.0",
                                                                                           "<1.10.0")  # fmt: skip
-    monkeypatch.setattr(bisect, "release_probe", lambda finding, package, log: lambda v: Probe(
+    monkeypatch.setattr(bisect, "release_probe", lambda script, package, log: lambda v: Probe(
         v, BAD if int(v.split(".")[1]) < 12 else GOOD, 1.0))  # fmt: skip
     assert main(argv[:-1]) == 1
     assert "DISAGREES: 1.10.0 probed bad, outside '<1.10'" in capsys.readouterr().out

@@ -34,18 +34,38 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "(cbverify/upstream/bisections.json)")  # fmt: skip
 
 
-def run(args: argparse.Namespace) -> int:
+def _script(finding_id: str, log_dir: Path):
+    """``(finding, its repro script)``: an upstream finding's standalone script, or the one ``cbverify fuzz`` writes
+    for a fuzz finding's shrunk case (into ``log_dir``). A ``ValueError`` naming the findings that can be bisected."""
+    from cbverify.fuzz import repro
+    from cbverify.fuzz.findings import BATCH_FINDINGS, FUZZ_FINDINGS
     from cbverify.upstream import bisect
     from cbverify.upstream.findings import FINDINGS
 
-    finding = next((f for f in FINDINGS if f.id == args.finding), None)
-    if finding is None:
-        scripted = ", ".join(f.id for f in FINDINGS if f.script)
-        return refuse("bisect", f"unknown finding {args.finding!r}; findings with a standalone repro: {scripted}")
+    upstream = {f.id: f for f in FINDINGS}
+    fuzz = {f.id: f for f in (*FUZZ_FINDINGS, *BATCH_FINDINGS) if (f.repro.engine, f.repro.entry) in repro.TEMPLATES}
+    if finding_id in upstream:
+        return upstream[finding_id], bisect.script_of(upstream[finding_id])
+    if finding_id in fuzz:
+        finding = fuzz[finding_id]
+        path = log_dir / f"bisect-{finding_id}.py"
+        path.write_text(repro.script_text(finding.repro, finding.checks[0], finding.evidence))
+        return finding, path
+    scripted = sorted([f.id for f in FINDINGS if f.script] + list(fuzz))
+    raise ValueError(f"unknown finding {finding_id!r}; findings with a standalone repro: {', '.join(scripted)}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from cbverify.upstream import bisect
+
+    log_dir = data.workdir("matrix-venvs")
+    log_dir.mkdir(parents=True, exist_ok=True)
     try:
-        script = bisect.script_of(finding)
+        finding, script = _script(args.finding, log_dir)
     except ValueError as err:
         return refuse("bisect", err)
+    if not hasattr(finding, "trl") and (args.trl or args.trl_src):
+        return refuse("bisect", f"{finding.id} is a transformers finding (of `cbverify fuzz`): bisect transformers")
     source = args.transformers_src or args.trl_src
     if source is not None:
         return _git(args, bisect, finding, script, source, "transformers" if args.transformers_src else "trl")
@@ -59,11 +79,9 @@ def run(args: argparse.Namespace) -> int:
         return refuse("bisect", err)
     print(f"bisect {finding.id}: {len(versions)} {package} releases {versions[0]}..{versions[-1]}, repro "
           f"{script.name}", flush=True)  # fmt: skip
-    log_dir = data.workdir("matrix-venvs")
-    log_dir.mkdir(parents=True, exist_ok=True)
     with (log_dir / f"bisect-{finding.id}-{package}.log").open("w") as log:
         try:
-            probe = bisect.release_probe(finding, package, log)
+            probe = bisect.release_probe(script, package, log)
         except RuntimeError as err:
             return refuse("bisect", err)
 

@@ -1,7 +1,8 @@
 """Where a finding came in (or went out): a binary search over releases, or ``git bisect run`` over a checkout.
 
-A *probe* runs a finding's standalone repro (``Finding.script``, in ``cbverify/upstream/repros/``: exit 1 while the
-behaviour is there, 0 once it is gone, anything else an error) against one version of one package. It runs under
+A *probe* runs a finding's standalone repro (an upstream finding's ``Finding.script``, in
+``cbverify/upstream/repros/``, or the script ``cbverify fuzz`` writes for a fuzz finding's shrunk case: exit 1 while
+the behaviour is there, 0 once it is gone, anything else an error) against one version of one package. It runs under
 :data:`RUNNER`, so an uncaught exception (a release without an API the script uses) is an error, exit 2, and never
 reads as the behaviour (Python's own exit code for it is 1): a repro says "bad" only by exiting 1 itself.
 
@@ -207,15 +208,14 @@ def run_script(python: str, script: Path, *, env: dict | None = None, timeout: f
     return verdict_of(proc.returncode), tail
 
 
-def release_probe(finding, package: str, log) -> Callable[[str], Probe]:
-    """A probe of ``finding``'s repro on one release of ``package`` (``transformers`` or ``trl``) in the matrix's
+def release_probe(script: Path, package: str, log) -> Callable[[str], Probe]:
+    """A probe of the repro ``script`` on one release of ``package`` (``transformers`` or ``trl``) in the matrix's
     cached venv for it; the other package is the installed one (the matrix pairs a TRL release that cannot import
     beside transformers 5 with the transformers 4.x it allows). ``log`` (a text file) gets the installers' output.
     A ``RuntimeError`` when the venvs' shared torch cannot be built."""
     from cbverify import data
     from cbverify.upstream import matrix
 
-    script = script_of(finding)
     folder = data.workdir("matrix-venvs")
     folder.mkdir(parents=True, exist_ok=True)
     base = matrix.ensure_base(folder, log)
