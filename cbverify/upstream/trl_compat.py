@@ -121,7 +121,8 @@ def require_path(trainer: str, path: str) -> None:
                              "without vLLM it generates with model.generate and never calls it")  # fmt: skip
     if path == "vllm" and "vllm_mode" not in fields(trainer):
         raise MissingFeature(f"trl {VERSION}: {config_cls.__name__} has no vllm_mode (colocated vLLM)")
-    if path == "vllm" and importlib.util.find_spec("trl.generation.vllm_generation") is None:
+    if path == "vllm" and (importlib.util.find_spec("trl.generation") is None  # 0.28 and before: no such package
+                           or importlib.util.find_spec("trl.generation.vllm_generation") is None):  # fmt: skip
         raise MissingFeature(f"trl {VERSION}: no trl.generation.vllm_generation (the vLLM driver this path wraps)")
 
 
