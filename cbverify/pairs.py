@@ -285,11 +285,11 @@ def _without(space: PairSpace, rows: list[dict[str, str]], drop) -> list[dict[st
     return out
 
 
-def guaranteed_share(space: PairSpace, examples: int) -> float:
+def guaranteed_share(space: PairSpace, examples: int, plan: Plan | None = None) -> float:
     """The share of a run of ``examples`` cases in which the plan forces each value, at the least (a run shows more
     where free draws add some, less where a forced value did not take effect)."""
     counts: Counter = Counter()
-    for row in Plan.of(space).rows(examples):
+    for row in (plan or Plan.of(space)).rows(examples):
         counts.update(space.option(n).label(v) for n, v in row.items())
     return min(counts[lab] for lab in space.labels()) / examples
 

@@ -79,6 +79,8 @@ def run(args) -> int:
     print("configs: ", ", ".join(f"{k} {v}" for k, v in sorted(report.configs.items())))
     if report.decisive:  # generate_batch: in how many cases each check could fail, and did
         print("checks:  ", ", ".join(f"{k} {v} ({report.failed[k]} FAIL)" for k, v in sorted(report.decisive.items())))
+    if report.coverage is not None:  # options acting on one quantity set together, from what the calls resolved to
+        print("pairs:   ", report.coverage.line())
     for cls in report.classes.values():
         if args.out is not None:
             cls = shrink(model, cls, budget=args.shrink_runs)

@@ -13,6 +13,7 @@ from cbverify.engines import transformers_compat as compat
 from cbverify.fuzz.batch_driver import BatchSession
 from cbverify.fuzz.batch_judge import intent, judge_batch_call
 from cbverify.fuzz.case import FuzzCase
+from cbverify.fuzz.coverage import batch_units, manager_units
 from cbverify.fuzz.drivers import Session, snapshot
 from cbverify.fuzz.judge import STATE_CHECKS, Failure, judge_call, judge_state
 
@@ -22,6 +23,7 @@ class Outcome:
     failures: list[Failure] = field(default_factory=list)
     features: set[str] = field(default_factory=set)
     decisive: set[str] = field(default_factory=set)  # generate_batch: the checks that could have failed here
+    units: list[set[str]] = field(default_factory=list)  # option values as the calls resolved them (coverage.py)
 
     @property
     def checks(self) -> set[str]:
@@ -93,17 +95,20 @@ def run_case(model, case: FuzzCase, session_factory=None) -> Outcome:
     before = snapshot(model)
     batch = case.entry == "generate_batch"
     session = (session_factory or (BatchSession if batch else Session))(model=model, case=case)
+    wants, ran = [], 0
     try:
         session.open()
         for step in case.steps:
             if step.kind == "call":
                 result = session.call(step)
+                ran += 1
                 if result.evictions:
                     outcome.features.add("evicted")
                 with _oracle_view(model, before["attn_implementation"]):
                     if batch:
                         want = intent(case.generation_of(step), step.options, before["generation_config"],
                                       compat.generation_defaults())  # fmt: skip
+                        wants.append(want)
                         failures, decisive = judge_batch_call(model, case, step, result, want)
                         outcome.failures += failures
                         outcome.decisive |= decisive
@@ -118,6 +123,8 @@ def run_case(model, case: FuzzCase, session_factory=None) -> Outcome:
     finally:
         session.close()
     outcome.failures += judge_state(before, model, session)
+    if case.engine == "transformers-cb":  # the options the calls that ran resolved to (a crash ends the program)
+        outcome.units = batch_units(case, wants, ran=len(wants)) if batch else manager_units(case, ran)
     if batch:
         outcome.decisive |= {c for c in STATE_CHECKS if c != "state:training-mode" or case.caller_training}
     return outcome

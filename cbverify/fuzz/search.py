@@ -17,9 +17,11 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import seed as hypothesis_seed
 
 from cbverify.fuzz.case import FuzzCase
+from cbverify.fuzz.coverage import entry_space
 from cbverify.fuzz.findings import explaining
 from cbverify.fuzz.run import Outcome, Pristine, run_case
 from cbverify.fuzz.strategies import batch_cases, fuzz_cases
+from cbverify.pairs import Coverage, Plan, concrete
 
 
 @dataclass(slots=True)
@@ -59,6 +61,7 @@ class Report:
     seconds: float = 0.0
     decisive: Counter = field(default_factory=Counter)  # generate_batch: cases where a check could have failed
     failed: Counter = field(default_factory=Counter)  # ... and where it did
+    coverage: Coverage | None = None  # options in pairs (cbverify.fuzz.coverage), transformers CB only
 
     @property
     def unregistered(self) -> list[FailureClass]:
@@ -72,6 +75,8 @@ class Report:
         self.configs.update(_config_keys(case))
         self.decisive.update(outcome.decisive)
         self.failed.update(outcome.checks & outcome.decisive)
+        if self.coverage is not None:
+            self.coverage.add(outcome.units)
         for f in outcome.failures:
             key, finding, why = classify(self.engine, f.check, f.detail, case)
             cls = self.classes.get(key)
@@ -80,26 +85,52 @@ class Report:
             cls.examples += 1
 
 
+def planned_cases(engine: str, entry: str, *, model_name: str, examples: int, seed: int = 0,
+                  drop: tuple[tuple[str, str], ...] = ()) -> list[FuzzCase]:
+    """The cases of a run's deterministic prefix (transformers CB; none for other engines): the covering rows of the
+    entry's pair space, then value rows for half of the cases left, each made concrete from the entry's strategy with
+    those values forced (``cbverify.pairs.Plan``); the same for the same seed. ``drop``: pairs left out."""
+    space = entry_space(engine, entry)
+    if space is None:
+        return []
+    if entry == "generate_batch":
+        def make(row):
+            return batch_cases(model=model_name, force=row)
+    else:
+        def make(row):
+            return fuzz_cases(engine=engine, model=model_name, force=row)
+    rows = Plan.of(space, drop=drop).rows(examples)
+    return [concrete(make(row), seed * 100_003 + k) for k, row in enumerate(rows)]
+
+
 def explore(model, engine: str, *, model_name: str, examples: int, seed: int = 0, session_factory=None,
-            engine_label: str | None = None, entry: str = "manager",
-            replay: tuple[FuzzCase, ...] = ()) -> Report:  # fmt: skip
-    """Run ``examples`` drawn cases; ``engine_label`` names a wrapped engine (findings cover only the real one);
-    ``entry="generate_batch"`` draws ``model.generate_batch`` programs (transformers CB only). ``replay``: cases found
-    before (a campaign's shared example database), run first as Hypothesis explicit examples and counted like
-    drawn ones."""
+            engine_label: str | None = None, entry: str = "manager", replay: tuple[FuzzCase, ...] = (),
+            drop: tuple[tuple[str, str], ...] = (), runner=None) -> Report:  # fmt: skip
+    """Run ``examples`` cases; ``engine_label`` names a wrapped engine (findings cover only the real one);
+    ``entry="generate_batch"`` draws ``model.generate_batch`` programs (transformers CB only). For transformers CB the
+    first cases are the plan of the entry's pair space (:func:`planned_cases`: every pair of options acting on one
+    quantity set together, then every option value in turn), the rest drawn freely by Hypothesis. ``replay``: cases
+    found before (a campaign's shared example database), run first as Hypothesis explicit examples and counted like
+    drawn ones. ``drop``: pairs left out of the plan; ``runner(model, case, session_factory) -> Outcome`` in place
+    of running the case (tests)."""
     report, pristine, start = Report(engine_label or engine), Pristine(model), time.perf_counter()
     if entry == "generate_batch" and engine != "transformers-cb":
         raise ValueError(f"--entry generate_batch is transformers CB's entry point, not {engine!r}'s")
+    space = entry_space(engine, entry)
+    report.coverage = Coverage(space) if space is not None else None
     cases = batch_cases(model=model_name) if entry == "generate_batch" else fuzz_cases(engine=engine, model=model_name)
+    planned = planned_cases(engine, entry, model_name=model_name, examples=examples, seed=seed, drop=drop)
+    run = runner or run_case
 
     def one(case: FuzzCase) -> None:
         pristine.restore()
-        report.add(case, run_case(model, case, session_factory))
+        report.add(case, run(model, case, session_factory))
 
-    for case in replay:
+    for case in reversed((*replay, *planned)):  # explicit examples run in the order given
         one = example(case)(one)
-    phases = [Phase.explicit, Phase.generate] if replay else [Phase.generate]
-    settings(max_examples=examples, deadline=None, database=None, phases=phases,
+    free = examples - len(planned)
+    phases = ([Phase.explicit] if replay or planned else []) + ([Phase.generate] if free > 0 else [])
+    settings(max_examples=max(1, free), deadline=None, database=None, phases=phases,
              suppress_health_check=list(HealthCheck))(hypothesis_seed(seed)(given(cases)(one)))()  # fmt: skip
     pristine.restore()
     report.seconds = time.perf_counter() - start
@@ -115,7 +146,9 @@ def summary(report: Report, engine: str, entry: str) -> dict:
                 "detail": c.detail[:300]} for c in report.classes.values()]  # fmt: skip
     return {"versions": versions(), "engine": engine, "entry": entry, "examples": report.examples,
             "seconds": round(report.seconds, 1), "explored": dict(report.explored), "classes": classes,
-            "decisive": dict(report.decisive), "failed": dict(report.failed)}  # fmt: skip
+            "decisive": dict(report.decisive), "failed": dict(report.failed),
+            "pairs": report.coverage.to_json() if report.coverage is not None else None,
+            "pair_coverage": report.coverage.line() if report.coverage is not None else None}  # fmt: skip
 
 
 def _config_keys(case: FuzzCase) -> list[str]:
