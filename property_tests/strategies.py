@@ -277,32 +277,94 @@ def trainer_scenarios(
     )  # fmt: skip
 
 
+def trainer_pair_plan(loss_types: tuple[str, ...], *, drop=()):
+    """The drawing plan of the GRPO step property (``cbverify.pairs``): its covering rows and the value rows that
+    :func:`planned_trainer_configs` turns into explicit examples. ``drop``: pairs left out of every row (to watch the
+    coverage report name them)."""
+    from cbverify.pairs import Plan, trainer_space
+
+    return Plan.of(trainer_space(loss_types), drop=drop)
+
+
+def planned_trainer_configs(loss_types: tuple[str, ...], examples: int, *, max_steps: int = 3, drop=()) -> list:
+    """The explicit examples of a run of ``examples`` drawn configurations: one per covering row of
+    :func:`trainer_pair_plan` (the simplest configuration ``trainer_configs`` draws with that row's values forced:
+    Hypothesis' ``find``, deterministic, cheap to train), so every pair of the trainer space is set together in some
+    example of every run; then a seeded draw per value row for half of ``examples`` (the other half stays free)."""
+    from hypothesis import Phase, find, settings
+
+    from cbverify.pairs import concrete
+
+    plan = trainer_pair_plan(loss_types, drop=drop)
+    quiet = settings(database=None, phases=[Phase.generate, Phase.shrink], max_examples=10, derandomize=True)
+    cover = [find(trainer_configs(loss_types=loss_types, max_steps=max_steps, force=row), lambda _: True,
+                  settings=quiet) for row in plan.cover]  # fmt: skip
+    walked = plan.rows(len(plan.cover) + examples)[len(plan.cover) :]
+    return cover + [concrete(trainer_configs(loss_types=loss_types, max_steps=max_steps, force=row), k)
+                    for k, row in enumerate(walked)]  # fmt: skip
+
+
 @st.composite
-def trainer_configs(draw, *, loss_types: tuple[str, ...], max_steps: int = 3, trainer: str = "grpo"):
+def trainer_configs(draw, *, loss_types: tuple[str, ...], max_steps: int = 3, trainer: str = "grpo",
+                    force: dict | None = None):  # fmt: skip
     """A ``TrainerScenario`` for the step checks (``cbverify.upstream.steps``): GRPO on the oracle's ``rollout_func``
     with every ``GRPOConfig`` field that changes the math or its bookkeeping drawn: loss type, beta, clipping,
     importance-sampling level, iterations, generation and accumulation steps (equal and different), batch and group
     sizes, completion length with truncation masking (2-operand prompts: some completions end on EOS within the
-    drawn length, some are cut), reward scaling, several reward functions (some returning ``None`` for some or all
-    rows) with weights, the entropy mask, gradient clipping and the IS-correction fields (inert without vLLM).
-    ``trainer="rloo"``: the same for ``RLOOConfig`` (no loss type, reward scaling, delta, entropy mask or IS fields;
-    ``normalize_advantages`` and ``reward_clip_range`` instead)."""
+    drawn length, some are cut), the sampler (temperature, top-k, top-p, min-p), reward scaling, several reward
+    functions (some returning ``None`` for some or all rows) with weights, the entropy mask, gradient clipping and
+    the IS-correction fields (inert without vLLM). ``trainer="rloo"``: the same for ``RLOOConfig`` (no loss type,
+    reward scaling, delta, entropy mask or IS fields; ``normalize_advantages`` and ``reward_clip_range`` instead).
+
+    ``force``: values of ``cbverify.pairs.trainer_space`` options (``{"loss_type": "dapo", "top_k": "cut", ...}``)
+    drawn as given."""
     from math import gcd
 
     from cbverify.upstream.scenario import TrainerScenario
 
-    num_generations = draw(st.integers(2, 3))
-    spg = draw(st.integers(1, 3))
-    unit = num_generations // gcd(num_generations, spg)  # the micro-batch size must make whole groups per batch
-    per_device = unit * draw(st.integers(1, max(1, 6 // unit)))
-    gas = draw(st.sampled_from([spg, spg, 1, 2, 3]))
+    force = dict(force or {})
+
+    def pick(option: str, values: dict, free):
+        """The forced value's strategy (``values``: label -> strategy), else ``free``."""
+        if option in force:
+            if force[option] not in values:
+                raise ValueError(f"trainer_configs: cannot force {option}={force[option]!r}")
+            return draw(values[force[option]])
+        return draw(free)
+
+    num_generations = pick("num_generations", {"2": st.just(2), "3": st.just(3)}, st.integers(2, 3))
+    layout = force.get("per_device_train_batch_size")
+    cut = force.get("mask_truncated_completions") == "true+cut"
+    if cut and layout is None:  # several prompts per batch, so that some rows end within the length and some are cut
+        layout = "several-groups"
+    if layout == "splits-a-group":  # a micro-batch that cuts a group needs spg sharing the group size's factor
+        spg = num_generations
+        splits = [k for k in range(1, 7) if k % num_generations]
+        per_device = draw(st.sampled_from(splits[::-1] if cut else splits))  # a cut wants several prompts: big first
+    else:
+        spg = draw(st.integers(1, 3))
+        unit = num_generations // gcd(num_generations, spg)  # the micro-batch size must make whole groups per batch
+        sizes = {"one-group": [num_generations], "several-groups": [k for k in (2 * num_generations, 6) if k % unit == 0]}
+        per_device = draw(st.sampled_from(sizes[layout])) if layout else unit * draw(st.integers(1, max(1, 6 // unit)))
+    gas = pick("steps_per_generation", {"gas": st.just(spg), "not-gas": st.sampled_from([g for g in (1, 2, 3) if g != spg])},
+               st.sampled_from([spg, spg, 1, 2, 3]))  # fmt: skip
     num_iterations = draw(st.sampled_from([1, 1, 2]))
     steps_needed = -(-spg * num_iterations // gas) + 1  # past the first generation batch
-    loss_type = draw(st.sampled_from(loss_types))
+    loss_type = pick("loss_type", {t: st.just(t) for t in loss_types}, st.sampled_from(loss_types))
     more = draw(st.lists(st.sampled_from(["digits", "parity", "unscored", "constant"]), max_size=2, unique=True))
     weights = None
     if draw(st.booleans()):
         weights = tuple(draw(st.sampled_from([1.0, 0.5, 2.0, -1.0])) for _ in range(1 + len(more)))
+    # a forced cut masks rows at a length the trained Llama's 2-operand answers (14-16 tokens) straddle
+    mask = pick("mask_truncated_completions", {"false": st.just(False), "true+cut": st.just(True)}, st.booleans())
+    max_completion_length = draw(st.sampled_from([15, 14]) if cut else st.integers(11, 16))
+    sampler = dict(
+        temperature=pick("temperature", {"1.0": st.just(1.0), "other": st.sampled_from([1.5, 0.7])},
+                         st.sampled_from([1.0, 1.5, 0.7])),
+        top_k=pick("top_k", {"0": st.just(0), "cut": st.sampled_from([3, 8])}, st.sampled_from([0, 0, 3, 8])),
+        top_p=pick("top_p", {"1.0": st.just(1.0), "below-1": st.just(0.8)}, st.sampled_from([1.0, 1.0, 0.8])),
+        min_p=pick("min_p", {"0": st.just(0.0), "above-0": st.just(0.1)}, st.sampled_from([0.0, 0.0, 0.1])),
+    )  # fmt: skip
     if trainer == "rloo":
         rloo_only = dict(normalize_advantages=draw(st.booleans()),
                          reward_clip_range=draw(st.sampled_from([None, (-1.0, 0.5), (0.0, 2.0)])))  # fmt: skip
@@ -310,8 +372,8 @@ def trainer_configs(draw, *, loss_types: tuple[str, ...], max_steps: int = 3, tr
             path="rollout_func", rollout_backend="reference", trainer="rloo", num_generations=num_generations,
             per_device_train_batch_size=per_device, steps_per_generation=spg, gradient_accumulation_steps=gas,
             num_iterations=num_iterations, max_steps=min(max_steps, steps_needed),
-            max_completion_length=draw(st.integers(11, 16)), mask_truncated_completions=draw(st.booleans()),
-            max_terms=2, temperature=draw(st.sampled_from([1.0, 1.5])), beta=draw(st.sampled_from([0.0, 0.0, 0.04])),
+            max_completion_length=max_completion_length, mask_truncated_completions=mask,
+            max_terms=2, **sampler, beta=draw(st.sampled_from([0.0, 0.0, 0.04])),
             epsilon=draw(st.sampled_from([0.2, 0.05])), epsilon_high=draw(st.sampled_from([None, 0.28])),
             reward=draw(st.sampled_from(["arithmetic", "length"])), more_rewards=tuple(more), reward_weights=weights,
             max_grad_norm=draw(st.sampled_from([1.0, 0.0, 0.01])), seed=draw(st.integers(0, 2**16)), num_prompts=1,
@@ -321,8 +383,8 @@ def trainer_configs(draw, *, loss_types: tuple[str, ...], max_steps: int = 3, tr
         path="rollout_func", rollout_backend="reference", trainer="grpo",
         num_generations=num_generations, per_device_train_batch_size=per_device, steps_per_generation=spg,
         gradient_accumulation_steps=gas, num_iterations=num_iterations, max_steps=min(max_steps, steps_needed),
-        max_completion_length=draw(st.integers(11, 16)), mask_truncated_completions=draw(st.booleans()), max_terms=2,
-        temperature=draw(st.sampled_from([1.0, 1.5])), loss_type=loss_type,
+        max_completion_length=max_completion_length, mask_truncated_completions=mask, max_terms=2,
+        **sampler, loss_type=loss_type,
         beta=draw(st.sampled_from([0.0, 0.0, 0.04])), epsilon=draw(st.sampled_from([0.2, 0.05])),
         use_bias_correction_kl=draw(st.sampled_from([None, True, False])),
         epsilon_high=draw(st.sampled_from([None, 0.28, 1.02] if loss_type == "cispo" else [None, 0.28])),

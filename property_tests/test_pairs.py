@@ -216,3 +216,36 @@ def test_a_pair_left_out_of_the_plan_is_named_by_the_report(arith, entry, pair):
     dropped = coverage((pair,))
     assert pair in dropped.missing and f"{pair[0]} x {pair[1]}" in dropped.line()
     assert Plan.of(space, drop=(pair,)).cover != Plan.of(space).cover
+
+
+# ------------------------------------------------------------------------------------------- the matrix table's rows
+def test_the_matrix_reads_pair_coverage_as_a_row_and_an_unreached_pair_as_vacuous(tmp_path, monkeypatch):
+    """``pair_row`` on coverage lines as ``Coverage.line`` writes them, and ``pytest_rows`` on a JUnit file whose suite
+    carries the config-space test's ``pair_coverage`` property (as ``record_testsuite_property`` writes it)."""
+    import io
+
+    from cbverify.upstream import matrix_checks as mc
+
+    cov = Coverage(TOY)
+    cov.add([{"a=on", "b=1", "c=yes", "s=x", "d=1", "e=1"}])
+    full = mc.pair_row("pairs", "p", cov.line())
+    assert full["ok"] is False and full["label"] == "VACUOUS(4/6; not reached: a=on x b=2, b=2 x c=yes)"
+    cov.add([{"a=on", "b=2", "c=yes", "s=x"}])
+    assert mc.pair_row("pairs", "p", cov.line()) == mc._row("pairs", "p", "PASS(6/6)", True)
+    assert mc.pair_row("pairs", "p", None) is None and not mc.pair_row("pairs", "p", "garbage")["ok"]
+    assert mc._cell(["PASS", "VACUOUS(4/6; not reached: a=on x b=2)"]).startswith("VACUOUS")
+
+    xml = tmp_path / "r.xml"
+    line = "pairs reached 17/19 (trainer config space, 8 cases); NOT REACHED: x=1 x y=1, x=1 x z=1; not drawn here: p"
+
+    def fake_run(cmd, log, timeout):
+        xml.write_text(f"""<testsuites><testsuite name="pytest"><properties>
+            <property name="pair_coverage" value="{line}"/></properties>
+            <testcase classname="t" name="{mc.PAIRS_TEST}"><failure message="x"/></testcase>
+            </testsuite></testsuites>""")  # fmt: skip
+        return 1, "1 failed"
+
+    monkeypatch.setattr(mc, "_run", fake_run)
+    rows = mc.pytest_rows("python", SimpleNamespace(timeout=1), xml, io.StringIO())
+    assert rows[-1] == mc._row("config-space pairs", "pytest", "VACUOUS(17/19; not reached: x=1 x y=1, x=1 x z=1)",
+                               False)  # fmt: skip

@@ -19,6 +19,11 @@ Each step is this repository's own command run by the venv's interpreter; each g
    for each entry point (the manager's request API, ``generate_batch``): one row each, ``pass`` (nothing found),
    ``xfail(k)`` (only registered failure classes) or ``FAIL(k)`` (k unregistered).
 
+Options in pairs (:mod:`cbverify.pairs`): the configuration space's test reports how many pairs of options acting on
+one quantity its runs set together (the suite property ``pair_coverage`` in the JUnit file), each fuzz run in its JSON; each becomes a
+row, ``pass(N/M)`` when every pair was reached, ``VACUOUS(N/M; not reached: ...)`` naming the others, as bad as a
+FAIL: a run that never set a listed pair together could not have found what only that pair shows.
+
 ``--steps`` runs a subset of 1-3 (the ``venv`` row is always there). A step that crashes or times out is an
 ``ERROR`` row with its last line, never a missing one.
 """
@@ -69,6 +74,24 @@ def _json_step(name: str, cmd: list[str], out: Path, log, timeout: int) -> dict 
     return json.loads(out.read_text())
 
 
+PAIRS_TEST = "test_every_listed_pair_was_set_together_in_some_run"
+
+
+def pair_row(check: str, path: str, line: str | None) -> dict | None:
+    """The row of one coverage line (``cbverify.pairs.Coverage.line``), None where the run reported none."""
+    import re
+
+    if not line:
+        return None
+    got = re.search(r"pairs reached (\d+)/(\d+)", line)
+    if got is None:
+        return _row(check, path, f"ERROR(unreadable coverage line: {line[:80]})", False)
+    missing = line.partition("NOT REACHED: ")[2].split("; not drawn here")[0]
+    if missing:
+        return _row(check, path, f"VACUOUS({got[1]}/{got[2]}; not reached: {missing})", False)
+    return _row(check, path, f"PASS({got[1]}/{got[2]})", True)
+
+
 def upstream_rows(python: str, args, out: Path, log) -> tuple[list[dict], dict]:
     cmd = [python, "-m", "cbverify", "upstream", "--run", "--quiet"]
     cmd += ["--random-model"] if args.random_model else ["--model", args.model]
@@ -91,7 +114,9 @@ def pytest_rows(python: str, args, out: Path, log) -> list[dict]:
     if not out.is_file():
         return [_row("pytest (compat, fuzz findings)", "pytest", "ERROR", False)]
     rows = []
-    for case in ET.parse(out).getroot().iter("testcase"):
+    root = ET.parse(out).getroot()
+    suite = {p.get("name"): p.get("value") for p in root.iter("property")}
+    for case in root.iter("testcase"):
         failed = case.find("failure") if case.find("failure") is not None else case.find("error")
         skipped = case.find("skipped")
         if failed is not None:
@@ -101,6 +126,9 @@ def pytest_rows(python: str, args, out: Path, log) -> list[dict]:
         else:
             label = "PASS"
         rows.append(_row(case.get("name"), "pytest", label, failed is None))
+        if case.get("name") == PAIRS_TEST:  # its coverage line is a property of the suite
+            if (row := pair_row("config-space pairs", "pytest", suite.get("pair_coverage"))) is not None:
+                rows.append(row)
     return rows or [_row("pytest (compat, fuzz findings)", "pytest", "ERROR", False)]
 
 
@@ -130,6 +158,8 @@ def fuzz_rows(python: str, args, out: Path, log) -> list[dict]:
         label = f"FAIL({len(unregistered)} unregistered)" if unregistered else (
             f"XFAIL({registered} registered)" if registered else "PASS")  # fmt: skip
         rows.append(_row(check, "transformers-cb", label, not unregistered))
+        if (row := pair_row(f"fuzz {entry} pairs", "transformers-cb", payload.get("pair_coverage"))) is not None:
+            rows.append(row)
     return rows
 
 
