@@ -9,10 +9,15 @@ chi-square goodness-of-fit test (``scipy.stats.chisquare``; rare tokens are pool
 probability so every bin expects >= 5 counts and the chi-square approximation holds). A token the reference gives
 probability 0 (outside the processed support: cut by top-k / top-p / min-p) observed even once makes the node's
 p-value 0. Under a tier with logit noise (bf16: the engine's logits may differ from the reference's by a few units),
-a token whose membership in the processed support can flip within that noise (``divergence.boundary_tokens``) is left
-out of the node on both sides: its observations are dropped and the reference's distribution is renormalised over
-the other tokens. Given that a draw is not a boundary token, both distributions are the same conditional one, so the
-test stays exact; the dropped draws are counted (``NodeTest.at_cut``).
+the null is the *set* of processed distributions within that noise of the reference's, cut boundaries included
+(:func:`noise_bounds`): with ``d`` the tier's per-logit noise divided by T, a kept token's weight may move by
+``e^(±d)``, a token whose membership in the processed support can flip within the noise
+(``divergence.boundary_tokens``) anywhere from 0 to its kept weight times ``e^d``, and the weights are renormalised
+together (a top-p / min-p cut moving changes the kept mass for every token). A node's statistic is the smallest over
+that set (:func:`min_chi_square_box`, exact: a convex problem), whose p-value bounds that of the engine's true
+distribution, so a correct engine's false-alarm rate stays <= alpha at any sample size. The draws of tokens at a cut
+are counted (``NodeTest.at_cut``). Power is lost only against faults whose effect stays inside the tier's noise;
+``python -m property_tests.measure_distribution`` measures both (docs/guide.md has the numbers).
 
 False alarms. All node p-values of one call (every position, prefix and request) form one family, corrected with
 Holm-Bonferroni: the probability that a *correct* engine fails one call is <= ``alpha`` (default
@@ -154,8 +159,94 @@ def detectable_effect(num_samples: int, bins: int, level: float, power: float = 
     return math.sqrt(noncentrality / num_samples)
 
 
-def chi_square_node(observed: Counter, probs: torch.Tensor) -> tuple[float, int, int, float]:
-    """``(p_value, worst_token, observed, expected)`` for counts ``observed`` against probabilities ``probs`` (V,)."""
+def min_chi_square(f_obs: Sequence[float], masses: Sequence[float], shift: float) -> float:
+    """The smallest Pearson statistic ``sum (o_b - n q_b)^2 / (n q_b)`` over every bin distribution ``q`` within
+    ``shift`` of ``masses`` (``m``): ``q_b ∝ m_b e^(δ_b)`` with ``|δ_b| <= shift``, what noise of up to ``shift`` on
+    each score of a bin's tokens can make of it (a bin's mass is a weighted mean of its tokens' ``e^δ``).
+    :func:`min_chi_square_box` with weights in ``[m_b e^-shift, m_b e^shift]``; ``shift == 0``: the plain statistic."""
+    if shift <= 0:
+        m = [x / sum(masses) for x in masses]
+        n = sum(f_obs)
+        return sum((o - n * q) ** 2 / (n * q) for o, q in zip(f_obs, m, strict=True))
+    lo = [x * math.exp(-shift) for x in masses]
+    return min_chi_square_box(f_obs, lo, [x * math.exp(shift) for x in masses])
+
+
+def min_chi_square_box(f_obs: Sequence[float], lo: Sequence[float], hi: Sequence[float]) -> float:
+    """The smallest Pearson statistic over every bin distribution ``q_b = w_b / sum(w)`` with each weight ``w_b`` in
+    ``[lo_b, hi_b]`` (``0 <= lo_b <= hi_b``, ``hi_b > 0``; ``lo_b = 0``: the bin's tokens may all be cut).
+
+    That set is ``{q in the simplex: lo_b s <= q_b <= hi_b s for all b, some s > 0}``, convex in ``(q, s)`` jointly,
+    and the statistic is convex in ``q``: for fixed ``s`` the minimum over the box ``∩`` simplex is a separable convex
+    problem (KKT: ``q_b = clip(o_b / sqrt(n (n - λ)), lo_b s, hi_b s)``, ``λ`` found by bisection so ``sum q = 1``),
+    and that minimum is convex in ``s`` (a convex function minimised over a convex set's slices), so a golden-section
+    search over ``s`` (where the box meets the simplex) finds the global one."""
+    import numpy as np
+
+    o = np.asarray(f_obs, dtype=np.float64)
+    lo_w, hi_w = np.asarray(lo, dtype=np.float64), np.asarray(hi, dtype=np.float64)
+    n = float(o.sum())
+
+    def stat(q):
+        safe = np.where(q > 0, q, 1.0)
+        terms = np.where(q > 0, (o - n * q) ** 2 / (n * safe), np.where(o > 0, np.inf, 0.0))
+        return float(terms.sum())
+
+    def inner(s: float) -> float:
+        lo_q, hi_q = lo_w * s, hi_w * s
+        if lo_q.sum() >= 1:
+            return stat(lo_q / lo_q.sum())
+        if hi_q.sum() <= 1:
+            return stat(hi_q / hi_q.sum())
+
+        def q_of(lam):  # lam < n; increasing in lam
+            return np.clip(o / math.sqrt(n * (n - lam)), lo_q, hi_q)
+
+        a = -1.0
+        while q_of(a).sum() > 1:
+            a *= 2
+        step = 1.0
+        while q_of(n - step).sum() < 1 and step > 1e-300:
+            step /= 4
+        b = n - step
+        for _ in range(200):
+            mid = (a + b) / 2
+            if q_of(mid).sum() < 1:
+                a = mid
+            else:
+                b = mid
+            if b - a <= 1e-12 * max(1.0, abs(a)):
+                break
+        q = q_of((a + b) / 2)
+        return stat(q / q.sum())
+
+    x = -math.log(hi_w.sum())  # log s: the box reaches the simplex from s = 1 / sum(hi) ...
+    y = -math.log(max(lo_w.sum(), hi_w.sum() * 1e-12))  # ... to s = 1 / sum(lo) (any s when every lo is 0)
+    if y - x <= 1e-15:
+        return inner(math.exp(x))
+    g = (math.sqrt(5) - 1) / 2  # a monotone map of s keeps a convex function unimodal: search log s
+    c, d = y - g * (y - x), x + g * (y - x)
+    fc, fd = inner(math.exp(c)), inner(math.exp(d))
+    for _ in range(100):
+        if fc <= fd:
+            y, d, fd = d, c, fc
+            c = y - g * (y - x)
+            fc = inner(math.exp(c))
+        else:
+            x, c, fc = c, d, fd
+            d = x + g * (y - x)
+            fd = inner(math.exp(d))
+    return min(fc, fd, inner(math.exp(x)), inner(math.exp(y)))
+
+
+def chi_square_node(observed: Counter, probs: torch.Tensor, shift: float = 0.0,
+                    bounds: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[float, int, int, float]:  # fmt: skip
+    """``(p_value, worst_token, observed, expected)`` for counts ``observed`` against probabilities ``probs`` (V,).
+    ``shift``: the null is every distribution whose scores lie within ``shift`` of ``probs``' (a tier's logit noise,
+    divided by T); ``bounds``: ``(lo, hi)`` (V,) each, the null is every ``w / sum(w)`` with ``lo <= w <= hi``
+    token-wise (``probs`` then only sets the bins). Either way the p-value is that of the smallest statistic over the
+    null set (:func:`min_chi_square_box`), a valid test of it (the true distribution's statistic is never below
+    the smallest)."""
     n = sum(observed.values())
     expected = probs.double().cpu() * n  # (V,)
     outside = [t for t in observed if expected[t] == 0]
@@ -169,15 +260,47 @@ def chi_square_node(observed: Counter, probs: torch.Tensor) -> tuple[float, int,
     worst = max(residuals, key=residuals.get)
     if len(f_obs) < 2:
         return 1.0, worst, observed.get(worst, 0), float(expected[worst])
+    if bounds is not None or shift > 0:
+        if bounds is None:
+            lo, hi = probs.double() * math.exp(-shift), probs.double() * math.exp(shift)
+        else:
+            lo, hi = (x.double().cpu() for x in bounds)
+        stat = min_chi_square_box(f_obs, [float(lo[b].sum()) for b in bins], [float(hi[b].sum()) for b in bins])
+        return float(stats.chi2.sf(stat, len(f_obs) - 1)), worst, observed.get(worst, 0), float(expected[worst])
     scale = sum(f_obs) / sum(f_exp)  # remove float rounding so scipy's sum check passes
     p = float(stats.chisquare(f_obs, [e * scale for e in f_exp]).pvalue)
     return p, worst, observed.get(worst, 0), float(expected[worst])
 
 
+def noise_bounds(logits: torch.Tensor, sampling, noise: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(basis, lo, hi)`` (V,) each: the set of processed distributions within ``noise`` per logit of ``logits``'
+    under ``sampling``, cut boundaries included, as token weights: a kept token's weight ``v`` (its processed
+    probability) may move to ``v e^(±d)`` (``d = noise / T``), a token at a cut (``divergence.boundary_tokens``) to
+    anything in ``[0, v e^d]`` (``v``: its probability after temperature over the reference's kept mass, as if the
+    cut had kept it; a kept one may be cut), every other token stays at 0. ``basis``: ``v`` normalised, the
+    reference's distribution extended to the cut tokens, from which the bins are built. The set holds every
+    ``process(logits + ε)``, ``|ε| <= noise`` (a kept set changes only by cut tokens, and the renormalisation is the
+    common ``sum(w)``); it is larger where the cuts' choices are tied, so the test stays valid."""
+    from reference.generate import apply_temperature
+
+    d = noise / sampling.temperature
+    processed = process_logits(logits, sampling).exp().double()  # (V,)
+    kept = processed > 0  # (V,)
+    full = torch.softmax(apply_temperature(logits.double(), sampling.temperature), dim=-1)  # (V,)
+    v = torch.where(kept, processed, full / full[kept].sum())  # (V,)
+    edge = boundary_tokens(logits, sampling, noise)  # (V,)
+    member = kept | edge  # (V,)
+    v = torch.where(member, v, torch.zeros_like(v))
+    lo = torch.where(kept & ~edge, v * math.exp(-d), torch.zeros_like(v))
+    return v / v.sum(), lo, v * math.exp(d)
+
+
 def node_tests(model, request: RolloutRequest, samples: Sequence[Rollout], *, min_count: int,
-               tier: Tier | None = None) -> list[NodeTest]:  # fmt: skip
+               tier: Tier | None = None, within_noise: bool = True) -> list[NodeTest]:  # fmt: skip
     """Chi-square tests at every (position, prefix) node visited by at least ``min_count`` samples; with ``tier``,
-    tokens at a processor cut within its noise are left out on both sides (module docstring)."""
+    the null is every distribution within its noise of the reference's, cut boundaries included (:func:`noise_bounds`;
+    ``NodeTest.at_cut`` counts the draws of tokens at a cut). ``within_noise=False``: the earlier test, the cut's
+    tokens left out on both sides and the reference's distribution over the others, for measuring against it."""
     if request.sampling.greedy:
         raise ValueError("the distribution test is for sampled requests; greedy tokens are compared exactly")
     nodes: dict[tuple[int, ...], Counter] = defaultdict(Counter)
@@ -190,18 +313,21 @@ def node_tests(model, request: RolloutRequest, samples: Sequence[Rollout], *, mi
             continue
         logits = ref_logprobs.completion_logits(model, request.prompt_ids, [*prefix, 0])[-1].cpu()  # (V,)
         probs = process_logits(logits, request.sampling).exp()  # (V,), processed on the host: no per-op device sync
-        at_cut = 0
+        at_cut, bounds = 0, None
         if tier is not None:
             noise = tier.near_tie_gap / 2 * tier.unit(float(logits.abs().max()))  # logit units, as compare's
             edge = boundary_tokens(logits, request.sampling, noise)  # (V,)
-            if bool(edge.any()):
-                at_cut = sum(c for t, c in counts.items() if edge[t])
+            at_cut = sum(c for t, c in counts.items() if edge[t])
+            if within_noise:  # the null: every distribution within the noise, cut tokens in or out
+                probs, lo, hi = noise_bounds(logits, request.sampling, noise)
+                bounds = (lo, hi)
+            elif bool(edge.any()):  # the cut's tokens left out on both sides, the reference's distribution otherwise
                 counts = Counter({t: c for t, c in counts.items() if not edge[t]})
                 probs = probs.masked_fill(edge, 0.0)
                 probs = probs / probs.sum() if float(probs.sum()) > 0 else probs
                 if sum(counts.values()) < min_count:
                     continue
-        p, worst, obs, exp = chi_square_node(counts, probs)
+        p, worst, obs, exp = chi_square_node(counts, probs, bounds=bounds)
         n = sum(counts.values())
         bins = len(chi_square_bins(probs.double().cpu() * n)[1])
         tests.append(NodeTest(request.request_id, len(prefix), prefix, n, p, worst, obs, exp, bins, at_cut))

@@ -10,6 +10,7 @@ reference's own scores (the gap between the k-th and (k+1)-th), so the first tok
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -61,3 +62,36 @@ def test_a_draw_just_outside_the_cut_is_left_out_under_the_tier_and_one_far_outs
         assert judged and judged[0].p_value == 0.0, f"token {intruder}, far below the cut, passed: {judged}"
     else:
         assert judged[0].at_cut >= 1 and judged[0].p_value > 1e-3, judged
+
+
+@settings(max_examples=60)
+@given(
+    logits=st.lists(st.floats(-6.0, 6.0), min_size=3, max_size=12),
+    temperature=st.sampled_from([0.5, 0.8, 1.0, 1.5]),
+    top_k=st.integers(0, 6),
+    top_p=st.sampled_from([1.0, 0.95, 0.8, 0.5]),
+    min_p=st.sampled_from([0.0, 0.02, 0.1, 0.3]),
+    noise=st.sampled_from([1e-3, 0.05, 0.2, 0.6]),
+    data=st.data(),
+)
+def test_every_processed_distribution_of_logits_moved_within_the_noise_is_in_the_null_set(
+    logits, temperature, top_k, top_p, min_p, noise, data
+):
+    """``noise_bounds``' set against the oracle's own processing of perturbed logits: for logits each moved by at
+    most ``noise`` (corners of the box and points inside), ``process_logits`` gives a distribution ``q`` that some
+    scale ``s`` puts inside the weights' bounds (``lo s <= q <= hi s``), cut boundaries included."""
+    from cbverify.distribution import noise_bounds
+    from reference.generate import process_logits
+
+    base = torch.tensor(logits, dtype=torch.float32)
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, max_new_tokens=1)
+    basis, lo, hi = noise_bounds(base, sampling, noise)
+    assert float(basis.sum()) == pytest.approx(1.0) and bool((lo <= hi).all())
+    signs = data.draw(st.lists(st.sampled_from([-1.0, -0.5, 0.0, 0.5, 1.0]), min_size=len(logits),
+                               max_size=len(logits)))  # fmt: skip
+    moved = base + noise * torch.tensor(signs, dtype=torch.float32) * (1 - 1e-6)  # float32 rounding stays inside
+    q = process_logits(moved, sampling).exp().double()  # (V,)
+    assert not bool(((q > 0) & (hi == 0)).any()), "a token the set gives no weight is kept"
+    s_min = max(float(q[i] / hi[i]) for i in range(len(logits)) if hi[i] > 0)
+    s_max = min((float(q[i] / lo[i]) for i in range(len(logits)) if lo[i] > 0), default=math.inf)
+    assert s_min <= s_max * (1 + 1e-6), (s_min, s_max, q.tolist(), lo.tolist(), hi.tolist())

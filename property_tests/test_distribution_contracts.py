@@ -18,7 +18,7 @@ from itertools import combinations
 
 import pytest
 import torch
-from hypothesis import example, given
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 from scipy import stats
 
@@ -250,3 +250,89 @@ def test_the_stated_power_is_what_a_simulated_chi_square_test_achieves(n, bins):
     rejected = stats.chisquare(counts, n * p0, axis=1).pvalue <= level
     assert abs(rejected.mean() - 0.8) <= 0.03, (w, rejected.mean())
     assert detectable_effect(n, 1, level) == math.inf
+
+
+def _brute_min_chi_square(f_obs, masses, shift, starts: int = 12) -> float:
+    """The smallest Pearson statistic over ``q ∝ m e^δ``, ``|δ| <= shift``, by scipy's bounded L-BFGS-B from the
+    centre and from random corners of the box (an independent optimiser on another parametrisation)."""
+    import numpy as np
+    from scipy.optimize import minimize
+
+    o, m = np.asarray(f_obs, float), np.asarray(masses, float) / sum(masses)
+    n = o.sum()
+
+    def stat(delta):
+        q = m * np.exp(delta)
+        q = q / q.sum()
+        return float(np.sum((o - n * q) ** 2 / (n * q)))
+
+    rng = np.random.default_rng(0)
+    best = stat(np.zeros(len(m)))
+    for k in range(starts):
+        x0 = np.zeros(len(m)) if k == 0 else rng.choice([-shift, shift], len(m))
+        best = min(best, minimize(stat, x0, bounds=[(-shift, shift)] * len(m), method="L-BFGS-B").fun)
+    return best
+
+
+@given(
+    masses=st.lists(st.floats(0.01, 1.0), min_size=2, max_size=6),
+    counts=st.lists(st.integers(0, 80), min_size=6, max_size=6),
+    shift=st.sampled_from([0.0, 1e-3, 0.05, 0.3, 1.0]),
+)
+def test_the_smallest_statistic_within_the_noise_is_the_global_minimum_over_that_set(masses, counts, shift):
+    """``min_chi_square`` against scipy: at shift 0 the plain statistic; otherwise no point of the set (the box's
+    centre and corners) is below it, and a bounded multi-start optimiser finds no lower value (1e-6 relative)."""
+    f_obs = [float(c) for c in counts[: len(masses)]]
+    assume(sum(f_obs) > 0)
+    got = distribution.min_chi_square(f_obs, masses, shift)
+    m = [x / sum(masses) for x in masses]
+    plain = float(stats.chisquare(f_obs, [x * sum(f_obs) for x in m]).statistic)
+    if shift == 0:
+        assert got == pytest.approx(plain, rel=1e-9)
+        return
+    assert got <= plain * (1 + 1e-9)
+    brute = _brute_min_chi_square(f_obs, m, shift)
+    assert brute * (1 - 1e-6) - 1e-9 <= got <= brute * (1 + 1e-6) + 1e-9
+
+
+@given(
+    masses=st.lists(st.floats(0.02, 1.0), min_size=2, max_size=6),
+    signs=st.lists(st.floats(-1.0, 1.0), min_size=6, max_size=6),
+    shift=st.sampled_from([0.01, 0.2, 0.7]),
+)
+def test_counts_of_a_distribution_inside_the_noise_give_zero_and_one_just_outside_does_not(masses, signs, shift):
+    """Counts exactly ``n q`` for ``q ∝ m e^δ``: zero statistic when ``|δ| <= shift``; when the same direction is
+    stretched to 1.5x the set's reach (a pair of bins 3 shift apart in log ratio) the statistic is positive."""
+    import numpy as np
+
+    m = np.asarray(masses) / sum(masses)
+    delta = np.asarray(signs[: len(m)])
+    assume(delta.max() - delta.min() > 0.5)
+    delta = (delta - (delta.max() + delta.min()) / 2) / (delta.max() - delta.min()) * 2  # range exactly [-1, 1]
+    for scale, inside in ((shift, True), (1.5 * shift, False)):
+        q = m * np.exp(scale * delta)
+        f_obs = list(1e4 * q / q.sum())
+        got = distribution.min_chi_square(f_obs, list(m), shift)
+        assert (got < 1e-6) if inside else (got > 1e-6), (scale, got)
+
+
+def test_a_node_under_a_tier_judges_against_every_distribution_within_its_noise():
+    """The stand-in model's P = [0.1, 0.5, 0.4] at T = 1; a tier whose noise is 0.1 per logit (``near_tie_gap`` 0.2 in
+    float32's absolute units). Counts from P with token 1's score raised by 0.15 (ratios to the others moved by 0.15 <=
+    2 x 0.1): fails the plain test at 20,000 draws, passes under the tier; raised by 0.45 (beyond 0.2): fails both."""
+    from dataclasses import replace
+
+    from cbverify.tolerances import FP32
+
+    tier = replace(FP32, near_tie_gap=0.2)
+    request = RolloutRequest("r", PROMPT, SAMPLING)
+    for raise_by, passes in ((0.15, True), (0.45, False)):
+        q = torch.tensor(P, dtype=torch.float64) * torch.tensor([1.0, math.exp(raise_by), 1.0])
+        q = q / q.sum()
+        counts = [round(20000 * float(x)) for x in q]
+        samples = _samples(*((c, (t,)) for t, c in enumerate(counts)))
+        (plain,) = node_tests(table_model(), request, samples, min_count=50)
+        (judged,) = node_tests(table_model(), request, samples, min_count=50, tier=tier)
+        (cut_only,) = node_tests(table_model(), request, samples, min_count=50, tier=tier, within_noise=False)
+        assert plain.p_value < 1e-6 and cut_only.p_value < 1e-6
+        assert (judged.p_value > 0.5) if passes else (judged.p_value < 1e-6), (raise_by, judged)
