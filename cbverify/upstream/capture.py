@@ -110,14 +110,14 @@ def rows(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
 def _wrap_generate(trainer, capture: Capture) -> None:
     original = trainer._generate
 
-    def wrapped(prompts):
+    def wrapped(prompts, *more):  # more: the images trl 0.24 passes beside the prompts
         model = unwrap(trainer)
         record = GenerationRecord(mode="train" if trainer.model.training else "eval", prompts=list(prompts),
                                   before=snapshot(model))  # fmt: skip
         capture.generations.append(record)
         _wrap_generate_batch(model, record)
         try:
-            out = original(prompts)
+            out = original(prompts, *more)
         except BaseException as err:
             record.error = err
             raise

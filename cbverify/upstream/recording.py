@@ -2,7 +2,9 @@
 
 :func:`record_run` trains a copy of the model with TRL's real ``GRPOTrainer`` or ``RLOOTrainer`` for a
 :class:`TrainerScenario`, rolling out with the oracle (deterministic: the same rows on every run; through
-``rollout_func`` for GRPO, in place of ``_generate`` for RLOO, which takes no ``rollout_func``), and records, on the
+``rollout_func`` for GRPO, in place of ``_generate_single_turn`` for a GRPO that calls its ``rollout_func`` only with
+vLLM (trl 0.24 to 0.28: :func:`replace_single_turn`), in place of ``_generate`` for RLOO, which takes no
+``rollout_func``), and records, on the
 trainer instance only (TRL is never edited):
 
 - every generation batch as scored (rows, TRL's per-function rewards and advantages) and the reward functions'
@@ -139,6 +141,22 @@ def _install(trainer, record: Record) -> None:
     record.pad_token_id = trainer.processing_class.pad_token_id
 
 
+def replace_single_turn(trainer, rollout: Callable) -> None:
+    """Make a ``GRPOTrainer`` that calls its ``rollout_func`` only with vLLM (trl 0.24 to 0.28) generate with
+    ``rollout``: its ``_generate_single_turn`` returns what ``rollout(prompts, trainer)`` completes, in the layout the
+    installed ``_generate`` unpacks (:func:`cbverify.upstream.trl_compat.single_turn_layout`); TRL's own ``_generate``
+    does the rest (its completion masks, token counts and metrics), as it does for a rollout_func from 0.29 on."""
+    layout = trl_compat.single_turn_output(type(trainer), prompt_ids=0, completion_ids=0, logprobs=0)  # refuses early
+    del layout
+
+    def single_turn(prompts, *_, **__):
+        out = rollout(prompts, trainer)
+        return trl_compat.single_turn_output(type(trainer), prompt_ids=out["prompt_ids"],
+                                             completion_ids=out["completion_ids"], logprobs=out["logprobs"])  # fmt: skip
+
+    trainer._generate_single_turn = single_turn
+
+
 def record_run(scenario: TrainerScenario, model, tokenizer, prepare: Callable[[object], None] | None = None) -> Record:
     """Train a float32 copy of ``model`` for ``scenario.max_steps`` optimizer steps on the ``rollout_func`` path (the
     oracle rolls out) and record every step (see the module docstring). A trainer error is kept in ``Record.error``.
@@ -154,8 +172,11 @@ def record_run(scenario: TrainerScenario, model, tokenizer, prepare: Callable[[o
     rollout_func = make_rollout_func("reference", work, tokenizer, base_seed=scenario.seed)
     with warnings.catch_warnings(), _quiet_loggers():
         warnings.simplefilter("ignore", FutureWarning)
-        if scenario.trainer == "grpo":
+        if scenario.trainer == "grpo" and trl_compat.rollout_func_off_vllm():
             trainer = build_trainer(scenario, work, tokenizer, rollout_func=rollout_func)
+        elif scenario.trainer == "grpo":  # trl 0.24 to 0.28 call a rollout_func only on their vLLM path
+            trainer = build_trainer(scenario, work, tokenizer)
+            replace_single_turn(trainer, rollout_func)
         else:  # RLOOTrainer takes no rollout_func: the oracle replaces its _generate
             trainer = build_trainer(scenario, work, tokenizer)
             replace_generate(trainer, rollout_func)

@@ -319,9 +319,12 @@ def _build_trainer(scenario: TrainerScenario, model, tokenizer, rollout_func, ou
 def config_args(scenario: TrainerScenario, output_dir: str) -> dict:
     """The keyword arguments of the trainer's config for ``scenario`` (``GRPOConfig`` / ``RLOOConfig``); a field the
     installed release lacks is refused when the config is built (:func:`cbverify.upstream.trl_compat.config`)."""
+    from cbverify.upstream import trl_compat
+
     args = _common_args(scenario, output_dir)
     if scenario.trainer == "grpo":
         args.update(loss_type=scenario.loss_type, importance_sampling_level=scenario.importance_sampling_level,
-                    vllm_importance_sampling_correction=scenario.is_correction,
-                    vllm_importance_sampling_mode=scenario.is_mode)  # fmt: skip
+                    vllm_importance_sampling_correction=scenario.is_correction)  # fmt: skip
+        if scenario.is_correction or "vllm_importance_sampling_mode" in trl_compat.fields("grpo"):
+            args["vllm_importance_sampling_mode"] = scenario.is_mode  # before trl 0.25 no field: one mode, unnamed
     return args | _math_args(scenario)

@@ -199,6 +199,37 @@ def generate_layout(trainer_cls: type) -> tuple[str, ...]:
                          "self._generate(...) tuple")  # fmt: skip
 
 
+# what _generate_single_turn's last field holds where a rollout adds nothing to it (0.24: the images' forward kwargs;
+# 0.25 on: a rollout_func's extra fields)
+SINGLE_TURN_EMPTY = ("forward_kwargs", "extra_fields")
+
+
+@cache
+def single_turn_layout(trainer_cls: type) -> tuple[str, ...]:
+    """The names ``trainer_cls._generate`` unpacks ``self._generate_single_turn(...)`` into (GRPO, 0.24 on:
+    ``prompt_ids, completion_ids, logprobs`` and :data:`SINGLE_TURN_EMPTY`'s field)."""
+    method = getattr(trainer_cls, "_generate", None)
+    if method is not None and hasattr(trainer_cls, "_generate_single_turn"):
+        for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(method)))):
+            call = getattr(node, "value", None)
+            if (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple) and isinstance(call, ast.Call)
+                    and isinstance(call.func, ast.Attribute) and call.func.attr == "_generate_single_turn"):  # fmt: skip
+                return tuple(target.id for target in node.targets[0].elts)
+    raise MissingFeature(f"trl {VERSION}: {trainer_cls.__name__}._generate unpacks no "
+                         "self._generate_single_turn(...) tuple")  # fmt: skip
+
+
+def single_turn_output(trainer_cls: type, **values) -> tuple:
+    """A ``_generate_single_turn`` return value for ``trainer_cls`` from ``values`` by name (the
+    :data:`SINGLE_TURN_EMPTY` field empty unless given)."""
+    layout = single_turn_layout(trainer_cls)
+    values = {**{name: {} for name in SINGLE_TURN_EMPTY}, **values}
+    if missing := [name for name in layout if name not in values]:
+        raise MissingFeature(f"trl {VERSION}: {trainer_cls.__name__}._generate_single_turn also returns "
+                             f"{', '.join(missing)}")  # fmt: skip
+    return tuple(values[name] for name in layout)
+
+
 def generated(trainer, output: tuple) -> dict:
     """``_generate``'s ``output`` by the names TRL gives its fields (see :data:`PROMPT_IDS` and the others)."""
     return dict(zip(generate_layout(type(trainer)), output, strict=True))
