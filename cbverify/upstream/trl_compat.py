@@ -2,7 +2,7 @@
 
 Everything of TRL's trainers that the capture (:mod:`cbverify.upstream.capture`), the scenarios
 (:mod:`cbverify.upstream.scenario`) and the loss cross-check (``property_tests/test_reference_vs_trl.py``) touch and
-that changed between 1.0 and 1.16, read in each minor release's newest patch (``trl/trainer/grpo_trainer.py``,
+that changed between 1.0 and 1.16 (0.24 to 0.29 below), read in each minor release's newest patch (``trl/trainer/grpo_trainer.py``,
 ``rloo_trainer.py``, ``grpo_config.py``; ``cbverify matrix --all-trl-minors 1.0`` builds them all):
 
 - the EOS ids a trainer generates with: ``trainer.eos_token_id`` (one id) up to 1.2, its tokenizer's
@@ -32,12 +32,34 @@ refuses them). Where a release is wrong rather than different, it is a registere
 
 Before 1.0: trl 0.29 (the last 0.x) runs through the same detection (its ``_generate`` has 1.0's 7 fields, one EOS id
 in ``trainer.eos_token_id``, no CB configuration, ``vllm_importance_sampling_cap``; ``cbverify matrix --trl 0.29.1``).
-Earlier releases stop at :data:`FLOOR`: trl 0.14 (the first with ``GRPOTrainer``) to 0.28 import transformers'
-``_is_package_available`` and read its result as a bool, but from transformers 5.0 it returns a ``(bool, version)``
-tuple, always true, so every optional dependency reads as installed and ``import trl.trainer.grpo_trainer`` fails on
-the first absent one (vllm in 0.14 to 0.23, mergekit in 0.24 and 0.25, weave in 0.26 to 0.28; 0.14.0, 0.23.0, 0.24.0,
-0.25.1, 0.26.2, 0.27.2 and 0.28.0 were tried beside transformers 5.24.0). They need transformers 4.x, which has no
-continuous batching (5.8+): the engines and checks this suite is about.
+trl 0.14 (the first with ``GRPOTrainer``) to 0.28 import transformers' ``_is_package_available`` and read its result
+as a bool, but from transformers 5.0 it returns a ``(bool, version)`` tuple, always true, so every optional dependency
+reads as installed and ``import trl.trainer.grpo_trainer`` fails on the first absent one (vllm in 0.14 to 0.23,
+mergekit in 0.24 and 0.25, weave in 0.26 to 0.28; 0.14.0, 0.23.0, 0.24.0, 0.25.1, 0.26.2, 0.27.2 and 0.28.0 were
+tried beside transformers 5.24.0). Their metadata puts no upper bound on transformers (``>=4.46`` in 0.14 to
+``>=4.56.2`` in 0.28), so ``cbverify matrix`` builds them beside the newest 4.x, 4.57.6
+(:func:`cbverify.upstream.matrix.paired_transformers`, below :data:`TRANSFORMERS_5_FROM`). What differs there:
+
+- no transformers continuous batching with a configuration (4.x has no ``ContinuousBatchingConfig``): the ``cb``
+  path and the transformers-cb engine are refused naming the release
+  (:mod:`cbverify.engines.transformers_compat`);
+- ``rollout_func`` is a ``GRPOTrainer`` argument from 0.25, but 0.25 to 0.27 call it only inside their vLLM branch
+  and 0.28 hands it to its vLLM backend only: without vLLM the trainer generates with ``model.generate`` and never
+  calls it, silently (:func:`rollout_func_off_vllm` reads it off the source). The ``rollout_func`` path is refused
+  there; the step recording (:mod:`cbverify.upstream.recording`) puts the oracle in place of
+  ``_generate_single_turn`` instead (:func:`single_turn_layout`: ``prompt_ids, completion_ids, logprobs`` and
+  ``forward_kwargs`` in 0.24, ``extra_fields`` from 0.25);
+- ``_generate`` (a hook the capture wraps) is new in 0.24 (:data:`CAPTURE_FROM`), where it also takes the images;
+  0.14 to 0.23 generate inside ``_generate_and_score_completions`` (0.15+) or ``_prepare_inputs`` and every scenario
+  is NOT-APPLICABLE there, naming the hooks the release lacks: the layer stops at 0.24;
+- ``vllm_importance_sampling_mode`` exists from 0.25 (passed only where the correction is on or the field exists);
+  ``luspo`` / ``sapo`` / ``vespo`` loss types, CB and a lower IS bound are absent as the loss-type and field detection
+  reads them.
+
+Without vLLM and without a rollout_func these releases have one generation path (``generate``), whose sampler returns
+no log-probs and whose sampling depends on the process layout: ``sampler_logprobs_reach_trainer``,
+``sampler_logprob_semantics`` and ``greedy_paths_agree`` (and across ranks ``ranks_match_one_process``) judge nothing
+there, which the matrix reports as VACUOUS.
 
 The same in every release (checked; nothing to adapt): the five wrapped trainer methods, ``rollout_func`` (a
 ``GRPOTrainer`` argument; ``RLOOTrainer`` never takes one), the loss types ``_compute_loss`` knows (grpo, bnpo,
@@ -66,8 +88,11 @@ from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 # the oldest trl whose GRPOTrainer imports beside transformers >= 5 (the module docstring says why the releases before
 # do not); ``cbverify matrix`` pairs an older one with the newest transformers 4.x it allows
 TRANSFORMERS_5_FROM = "0.29"
-# the oldest trl this layer reaches (beside transformers 4.x before TRANSFORMERS_5_FROM)
-FLOOR = "0.29"
+# the oldest trl ``cbverify matrix`` accepts: the first with a GRPOTrainer (beside transformers 4.x before
+# TRANSFORMERS_5_FROM); the scenarios run from CAPTURE_FROM on, and before it are NOT-APPLICABLE naming the hooks
+FLOOR = "0.14"
+# the oldest trl whose GRPOTrainer has every hook the capture wraps (HOOKS: _generate is new in 0.24)
+CAPTURE_FROM = "0.24"
 
 VERSION = trl.__version__
 TRAINERS = {"grpo": (GRPOTrainer, GRPOConfig), "rloo": (RLOOTrainer, RLOOConfig)}
