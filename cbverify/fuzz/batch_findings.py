@@ -423,7 +423,8 @@ BATCH_FINDINGS += (
             "request-failed": failed(NO_ROOM_TO_FORK),
             "result-count": Prediction(RESULTS, fewer_results),
         },
-        affected="transformers 5.8.1, 5.9.0; not 5.16.1 to 5.24.0; 5.10 to 5.15 not run (the repro in each venv)",
-        transformers="<5.16",
+        affected="transformers 5.8.0 to 5.10.4; not 5.11.0 to 5.24.0 (cbverify bisect over the 30 releases from 5.8.0 "
+        "to 5.24.0, the repro in each probed release's venv: cbverify/upstream/bisections.json)",
+        transformers="<5.11",
     ),
 )
