@@ -61,7 +61,8 @@ def main(model: str, sampling: dict, max_tokens: int = 16) -> dict:
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     out = {}
     for mode in ("raw_logprobs", "processed_logprobs"):
-        llm = LLM(model=model, dtype="float32", gpu_memory_utilization=0.1, enforce_eager=True,
+        # max_model_len: 10% of a busy machine's free RAM may hold less KV than one 8192-token context needs
+        llm = LLM(model=model, dtype="float32", gpu_memory_utilization=0.1, enforce_eager=True, max_model_len=512,
                   skip_tokenizer_init=True, logprobs_mode=mode, seed=0)  # fmt: skip
         if mode == "raw_logprobs":
             params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True)] * 3
