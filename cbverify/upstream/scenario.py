@@ -326,5 +326,5 @@ def config_args(scenario: TrainerScenario, output_dir: str) -> dict:
         args.update(loss_type=scenario.loss_type, importance_sampling_level=scenario.importance_sampling_level,
                     vllm_importance_sampling_correction=scenario.is_correction)  # fmt: skip
         if scenario.is_correction or "vllm_importance_sampling_mode" in trl_compat.fields("grpo"):
-            args["vllm_importance_sampling_mode"] = scenario.is_mode  # before trl 0.25 no field: one mode, unnamed
+            args["vllm_importance_sampling_mode"] = scenario.is_mode  # before trl 0.26 no field: one mode, unnamed
     return args | _math_args(scenario)

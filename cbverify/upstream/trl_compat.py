@@ -52,7 +52,7 @@ tried beside transformers 5.24.0). Their metadata puts no upper bound on transfo
 - ``_generate`` (a hook the capture wraps) is new in 0.24 (:data:`CAPTURE_FROM`), where it also takes the images;
   0.14 to 0.23 generate inside ``_generate_and_score_completions`` (0.15+) or ``_prepare_inputs`` and every scenario
   is NOT-APPLICABLE there, naming the hooks the release lacks: the layer stops at 0.24;
-- ``vllm_importance_sampling_mode`` exists from 0.25 (passed only where the correction is on or the field exists);
+- ``vllm_importance_sampling_mode`` exists from 0.26 (passed only where the correction is on or the field exists);
   ``luspo`` / ``sapo`` / ``vespo`` loss types, CB and a lower IS bound are absent as the loss-type and field detection
   reads them.
 
