@@ -239,8 +239,9 @@ def min_chi_square_box(f_obs: Sequence[float], lo: Sequence[float], hi: Sequence
     return min(fc, fd, inner(math.exp(x)), inner(math.exp(y)))
 
 
-def chi_square_node(observed: Counter, probs: torch.Tensor, shift: float = 0.0,
-                    bounds: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[float, int, int, float]:  # fmt: skip
+def chi_square_node(
+    observed: Counter, probs: torch.Tensor, shift: float = 0.0, bounds: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[float, int, int, float]:
     """``(p_value, worst_token, observed, expected)`` for counts ``observed`` against probabilities ``probs`` (V,).
     ``shift``: the null is every distribution whose scores lie within ``shift`` of ``probs``' (a tier's logit noise,
     divided by T); ``bounds``: ``(lo, hi)`` (V,) each, the null is every ``w / sum(w)`` with ``lo <= w <= hi``

@@ -6,7 +6,7 @@ tolerance literal (a test may compute a bound from one of these, e.g. ``FP32.log
 | name | what it bounds |
 |---|---|
 | :data:`FP32`, :data:`BF16`, :data:`FP16` (:func:`tier_for`) | an engine's tokens and log-probs against the oracle |
-| :func:`recurrent_tier` (:func:`tier_for_model`, :data:`RECURRENT_GROWTH`) | the same in float32 on a model whose decode is a recurrence (linear attention, state-space, convolution: :func:`recurrent_state`), growing with the sequence |
+| :func:`recurrent_tier` (:func:`tier_for_model`) | the same, float32, a recurrent decode (:func:`recurrent_state`) |
 | :data:`LOW_PRECISION` | TRL's bf16-autocast trainer log-probs against the float32 oracle |
 | :data:`SAME_LOGITS_ATOL` | two implementations of the sampling rule on the *same* float32 logits |
 | :data:`PASS_THROUGH_ATOL` | a float32 value handed from one component to another unchanged |
@@ -195,6 +195,7 @@ def tier_for(dtype: torch.dtype | str) -> Tier:
 # units scale with the logits, and bf16 rounding dominates the state's float32 drift, so it needs no second tier.
 RECURRENT_GROWTH = 1e-5
 
+
 def _cache_tensors(obj, path: str = "", depth: int = 0) -> list[tuple[str, tuple[int, ...]]]:
     """``(path, shape)`` of every floating-point tensor of 2 or more dims reachable from a decode cache (objects,
     lists, tuples, dicts; 5 levels)."""
@@ -225,8 +226,9 @@ def recurrent_state(model) -> tuple[str, ...]:
         for n in (2, 3):
             ids = (torch.arange(1, n + 1) % model.config.vocab_size).unsqueeze(0).to(param.device)  # (1, n)
             out = model(input_ids=ids, use_cache=True)
-            cache = next((out[k] for k in ("cache", "past_key_values", "cache_params", "state") if out.get(k) is not None),
-                         None)  # names of one object across releases: read one
+            cache = next(
+                (out[k] for k in ("cache", "past_key_values", "cache_params", "state") if out.get(k) is not None), None
+            )  # names of one object across releases: read one
             shapes.append(dict(_cache_tensors(cache)))
     short, long = shapes
     return tuple(path for path, shape in long.items() if short.get(path) == shape)

@@ -99,9 +99,9 @@ def test_every_processed_distribution_of_logits_moved_within_the_noise_is_in_the
 
 @pytest.mark.slow
 def test_measured_in_bf16_on_a_trained_checkpoint_correct_engines_pass_and_a_shared_rng_fails():
-    """``property_tests.measure_distribution`` in small: on tiny-qwen3-chat in bf16 with verify's request and the example
-    recipe's sampling, 2 runs each of the own-RNG oracle and hf-generate are never rejected under the tier, and a
-    shared RNG always is (the full measurement's numbers are in docs/guide.md)."""
+    """``property_tests.measure_distribution`` in small: on tiny-qwen3-chat in bf16 with verify's request and the
+    example recipe's sampling, 2 runs each of the own-RNG oracle and hf-generate are never rejected under the tier,
+    and a shared RNG always is (the full measurement's numbers are in docs/guide.md)."""
     from property_tests.measure_distribution import measure
 
     rows = {r["engine"]: r for r in measure("tiny-qwen3-chat", "bfloat16", [("OwnRNG", 2), ("hf-generate", 2),

@@ -153,7 +153,6 @@ def test_a_token_divergence_is_accepted_exactly_inside_the_near_tie_gap(qwen2_mo
     assert not compare.compare_tokens(qwen2_model, request, reference, swapped, engine="swap", tier=tier).accepted
 
 
-
 @pytest.fixture(scope="module")
 def recurrent_case(tmp_path_factory):
     """A zoo checkpoint whose decode is a recurrence (Qwen3-Next style: a gated delta-rule layer, then full

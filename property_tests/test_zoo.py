@@ -60,8 +60,18 @@ def test_the_zoo_covers_twenty_architectures_with_windows_softcaps_sinks_and_moe
     assert len(ARCH_NAMES) >= 20 and len(set(ARCH_NAMES)) == len(ARCH_NAMES)
     assert required <= set(ARCH_NAMES) and {"qwen3_moe", "mixtral"} & set(ARCH_NAMES)
     features = " ".join(f for a in zoo.ARCHS for f in a.features)
-    for feature in ("sliding", "softcap", "sinks", "moe", "chunked", "convolution", "alibi", "state-space",
-                    "delta-rule linear attention", "hybrid"):
+    for feature in (
+        "sliding",
+        "softcap",
+        "sinks",
+        "moe",
+        "chunked",
+        "convolution",
+        "alibi",
+        "state-space",
+        "delta-rule linear attention",
+        "hybrid",
+    ):
         assert feature in features, feature
     for arch in zoo.ARCHS:
         assert arch.config().model_type == arch.name
@@ -407,7 +417,9 @@ def test_on_long_rollouts_of_a_delta_rule_checkpoint_hf_generate_passes_its_tier
 
     model, _ = zoo.load(arch, zoo_dir)
     prompt = (1, 19, 4, 13, 7, 15, 9, 16, 18, 21, 20, 17)
-    requests = [RolloutRequest("greedy", prompt, SamplingParams(temperature=0.0, max_new_tokens=100), eos_token_ids=())]
+    requests = [
+        RolloutRequest("greedy", prompt, SamplingParams(temperature=0.0, max_new_tokens=100), eos_token_ids=())
+    ]
     requests += [RolloutRequest(f"s{k}", prompt, SamplingParams(temperature=1.0, top_k=10, top_p=0.95,
                                                                  max_new_tokens=100), seed=k, eos_token_ids=())
                  for k in range(2)]  # fmt: skip
@@ -421,8 +433,10 @@ def test_on_long_rollouts_of_a_delta_rule_checkpoint_hf_generate_passes_its_tier
         rows[name] = {t.name: report.evaluate_engine(engine, model, requests, reference, t) for t in (tier, FP32)}
     for name, by_tier in rows.items():
         row = by_tier[tier.name]
-        print(f"{arch} {name}: {row.status} in {tier.name} ({tier.logprob_max_abs:.3g}); in fp32 "
-              f"{by_tier['fp32'].status}: {' | '.join(by_tier['fp32'].problems)[:200]}")
+        print(
+            f"{arch} {name}: {row.status} in {tier.name} ({tier.logprob_max_abs:.3g}); in fp32 "
+            f"{by_tier['fp32'].status}: {' | '.join(by_tier['fp32'].problems)[:200]}"
+        )
         assert row.status == "PASS", row.problems
     greedy = rows["hf-generate"][tier.name]
     assert greedy.tokens_compared >= 1 and greedy.tokens_equal == greedy.tokens_compared

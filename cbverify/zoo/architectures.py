@@ -38,8 +38,8 @@ DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_a
                num_key_value_heads=2, head_dim=16, max_position_embeddings=128)  # fmt: skip
 ALTERNATING = ["sliding_attention", "full_attention"]
 HYBRID = ["linear_attention", "full_attention"]  # a recurrent layer, then full attention
-MAMBA2_SHAPE = dict(mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
-                    mamba_chunk_size=8)  # fmt: skip
+MAMBA2_SHAPE = dict(mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4,
+                    mamba_expand=2, mamba_chunk_size=8)  # fmt: skip
 
 
 def _vocab_size() -> int:
@@ -142,9 +142,9 @@ ARCHS: tuple[Arch, ...] = (
                                         n_groups=1, expand=2, conv_kernel=4, chunk_size=8),
          ("state-space layers", "chunked scan")),
     Arch("qwen3_next", "Qwen3NextConfig", _d(layer_types=HYBRID, linear_conv_kernel_dim=4, linear_key_head_dim=16,
-                                             linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-                                             moe_intermediate_size=32, shared_expert_intermediate_size=32,
-                                             num_experts=4, num_experts_per_tok=2),
+                                             linear_value_head_dim=16, linear_num_key_heads=2,
+                                             linear_num_value_heads=4, moe_intermediate_size=32,
+                                             shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2),
          ("gated delta-rule linear attention", "hybrid linear/full attention", "moe")),
     Arch("olmo_hybrid", "OlmoHybridConfig", _d(head_dim=None, layer_types=HYBRID, linear_num_key_heads=2,
                                                linear_num_value_heads=4, linear_key_head_dim=16,

@@ -4,8 +4,9 @@
 Per architecture (:func:`run_architecture`): the reference generates :func:`zoo_requests` (greedy and sampled,
 three of them 14 tokens long, well past the zoo's sliding window of ``zoo.WINDOW``), then each engine is built with
 :data:`ENGINE_OPTIONS` and judged by ``report.evaluate_engine`` in
-the tier of the dtype (``tolerances.tier_for``: float32 by default; bfloat16 / float16 cast the checkpoint; in float32 a
-model whose decode is a recurrence gets ``tolerances.recurrent_tier``, read off its cache by ``tier_for_model``): tokens
+the tier of the dtype (``tolerances.tier_for``: float32 by default; bfloat16 / float16 cast the checkpoint; in
+float32 a model whose decode is a recurrence gets ``tolerances.recurrent_tier``, read off its cache by
+``tier_for_model``): tokens
 identical where the spec fixes them, up to the tier's near-ties, log-probs against teacher forcing; no distribution
 test, the cross-engine suite does that. The registered findings were measured in float32 and apply at every dtype.
 A verdict is:

@@ -1,9 +1,9 @@
 """Measure the float noise between a decode and a teacher-forced prefill, per zoo architecture and position.
 
-``python -m cbverify.zoo.measure_noise [--archs NAME ...] [--engines reference hf-generate] [--new-tokens N]
-[--seeds S] [--dtype float32] [--context N]`` builds each zoo checkpoint (``cbverify.zoo.architectures``), generates long requests
-(the zoo's 12-token prompt, no EOS, greedy and ``S`` sampled at T = 1 and T = 0.7 with top-k 10 / top-p 0.95) with
-each engine, teacher-forces the engine's own tokens once with the oracle (``cbverify.compare.teacher_force``) and
+``python -m cbverify.zoo.measure_noise [--archs NAME ...] [--engines reference hf-generate] [--new-tokens N] [--seeds
+S] [--dtype float32] [--context N]`` builds each zoo checkpoint (``cbverify.zoo.architectures``), generates long
+requests (the zoo's 12-token prompt, no EOS, greedy and ``S`` sampled at T = 1 and T = 0.7 with top-k 10 / top-p 0.95)
+with each engine, teacher-forces the engine's own tokens once with the oracle (``cbverify.compare.teacher_force``) and
 prints one JSON line per (architecture, engine): whether the model carries a recurrent decode state
 (``tolerances.recurrent_state``), and the max |Δ log-prob| (scaled by ``tolerances.logprob_scale``, as every check
 reads it) over all positions and per position bucket (``[0, 8)``, ``[8, 16)``, ``[16, 32)``, ``[32, 64)``, ...).
