@@ -43,7 +43,7 @@ from cbverify.engines import (
 )
 from cbverify.grpo_config import RolloutConfig, load_rollout_config
 from cbverify.prompts import load_prompts
-from cbverify.tolerances import tier_for
+from cbverify.tolerances import tier_for_model
 from cbverify.upstream.env_findings import env_finding
 from cbverify.workload import DEFAULT_GROUP_SIZE, Workload, build_workload
 from cbverify.zoo.findings import architecture_finding
@@ -66,7 +66,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "always runs as the oracle; default: all but vllm, which runs in its own environment "
                         "(`cbverify env build vllm`)")  # fmt: skip
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                        help="model dtype; the tolerance tier follows it (cbverify.tolerances.tier_for)")  # fmt: skip
+                        help="model dtype; the tolerance tier follows it and the model's decode "
+                        "(cbverify.tolerances.tier_for_model)")  # fmt: skip
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="device to run every engine on")
     parser.add_argument("--json", type=Path, default=None, help="also write the report as JSON to this file")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the report as Markdown to this file")
@@ -165,11 +166,14 @@ def run(args: argparse.Namespace) -> int:
             plan = _prepare(args)
     except (ValueError, FileNotFoundError) as err:
         return refuse("verify", err)
-    ckpt, model, workload, rollout_config, tier = plan
+    ckpt, model, workload, rollout_config = plan
     started = time.perf_counter()
     phases = report.Phases(progress=not args.quiet, profile_dir=args.profile, device=args.device)
     requests = list(workload.requests)
     try:
+        with phases("setup", "tier"):  # a float32 model with a recurrent decode: a tier that grows with length
+            longest = max(len(r.prompt_ids) + r.sampling.max_new_tokens for r in requests)
+            tier = tier_for_model(model, args.dtype, max_length=longest)
         with phases("setup", "distribution request"):
             sampled = most_testable(model, requests, args.dist_samples)
         if workload.probes:
@@ -414,7 +418,7 @@ def _prepare(args: argparse.Namespace):
     threads = args.threads or (1 if sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS else None)
     if threads:
         torch.set_num_threads(threads)
-    return ckpt, model, workload, rollout_config, tier_for(args.dtype)
+    return ckpt, model, workload, rollout_config
 
 
 def _evaluate(name, model, requests, reference, tier, repro, dist, dist_samples, options=None, *, phases=None,
