@@ -325,8 +325,8 @@ TRAINER_OUTSIDE = (
 
 def trainer_space(loss_types: tuple[str, ...] = TRAINER_LOSS_TYPES) -> PairSpace:
     """The GRPO step property's space (``property_tests.strategies.trainer_configs``) for the loss types a release
-    has: the loss normaliser (loss type, truncated rows masked, a generation batch spread over other than one
-    accumulation window), the sampler (temperature, top-k, top-p, min-p) and the batch layout (group size, how a
+    has: the loss normaliser (loss type, truncated rows masked, a generation batch spread over several accumulation
+    windows or a window over several generation batches), the sampler (temperature, top-k, top-p, min-p) and the batch layout (group size, how a
     micro-batch cuts the groups)."""
     if not loss_types:
         raise ValueError("trainer_space needs at least one loss type")
@@ -336,7 +336,7 @@ def trainer_space(loss_types: tuple[str, ...] = TRAINER_LOSS_TYPES) -> PairSpace
             Group("loss normaliser", (
                 Option("loss_type", tuple(loss_types), tuple(loss_types)),
                 Option("mask_truncated_completions", ("false", "true+cut"), ("true+cut",)),
-                Option("steps_per_generation", ("gas", "not-gas"), ("not-gas",)),
+                Option("steps_per_generation", ("gas", "above-gas", "below-gas"), ("above-gas", "below-gas")),
             )),
             Group("sampler", (
                 Option("temperature", ("1.0", "other"), ("other",)),
@@ -366,7 +366,7 @@ def trainer_labels(scenario, record) -> set[str]:
     layout = "splits-a-group" if per_device % ng else "several-groups" if per_device >= 2 * ng else "one-group"
     out = {
         f"loss_type={scenario.loss_type}",
-        f"steps_per_generation={'gas' if scenario.spg == scenario.gradient_accumulation_steps else 'not-gas'}",
+        f"steps_per_generation={_spg(scenario.spg, scenario.gradient_accumulation_steps)}",
         f"temperature={'1.0' if scenario.temperature == 1.0 else 'other'}",
         f"top_k={'cut' if 0 < scenario.top_k < _vocab() else '0'}",
         f"top_p={'below-1' if scenario.top_p < 1.0 else '1.0'}",
@@ -379,6 +379,12 @@ def trainer_labels(scenario, record) -> set[str]:
     elif not scenario.mask_truncated_completions:
         out.add("mask_truncated_completions=false")
     return out
+
+
+def _spg(spg: int, gas: int) -> str:
+    """A generation batch spread over several accumulation windows (above), or a window over several generation
+    batches (below): the two ways the normaliser's batch and the optimizer step's differ."""
+    return "gas" if spg == gas else "above-gas" if spg > gas else "below-gas"
 
 
 def _vocab() -> int:

@@ -342,12 +342,12 @@ def trainer_configs(draw, *, loss_types: tuple[str, ...], max_steps: int = 3, tr
         splits = [k for k in range(1, 7) if k % num_generations]
         per_device = draw(st.sampled_from(splits[::-1] if cut else splits))  # a cut wants several prompts: big first
     else:
-        spg = draw(st.integers(1, 3))
+        spg = draw(st.integers(2, 3) if force.get("steps_per_generation") == "above-gas" else st.integers(1, 3))
         unit = num_generations // gcd(num_generations, spg)  # the micro-batch size must make whole groups per batch
         sizes = {"one-group": [num_generations], "several-groups": [k for k in (2 * num_generations, 6) if k % unit == 0]}
         per_device = draw(st.sampled_from(sizes[layout])) if layout else unit * draw(st.integers(1, max(1, 6 // unit)))
-    gas = pick("steps_per_generation", {"gas": st.just(spg), "not-gas": st.sampled_from([g for g in (1, 2, 3) if g != spg])},
-               st.sampled_from([spg, spg, 1, 2, 3]))  # fmt: skip
+    gas = pick("steps_per_generation", {"gas": st.just(spg), "above-gas": st.integers(1, spg - 1),
+               "below-gas": st.integers(spg + 1, 4)}, st.sampled_from([spg, spg, 1, 2, 3]))  # fmt: skip
     num_iterations = draw(st.sampled_from([1, 1, 2]))
     steps_needed = -(-spg * num_iterations // gas) + 1  # past the first generation batch
     loss_type = pick("loss_type", {t: st.just(t) for t in loss_types}, st.sampled_from(loss_types))

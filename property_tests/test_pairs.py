@@ -100,7 +100,7 @@ def test_trainer_labels_count_a_masked_cut_only_where_rows_were_cut_and_others_w
                         per_device_train_batch_size=3, steps_per_generation=2, gradient_accumulation_steps=1,
                         mask_truncated_completions=True, top_k=3, top_p=0.9, temperature=0.7)  # fmt: skip
     mixed = trainer_labels(s, _record([(5, 2), (5, 6, 7)]))
-    assert {"mask_truncated_completions=true+cut", "loss_type=dapo", "steps_per_generation=not-gas", "top_k=cut",
+    assert {"mask_truncated_completions=true+cut", "loss_type=dapo", "steps_per_generation=above-gas", "top_k=cut",
             "top_p=below-1", "temperature=other", "min_p=0", "per_device_train_batch_size=splits-a-group"} <= mixed
     assert not any(lab.startswith("mask_truncated") for lab in trainer_labels(s, _record([(5, 6), (7, 8)])))
     assert not any(lab.startswith("mask_truncated") for lab in trainer_labels(s, _record([(5, 2), (6, 2)])))
@@ -109,6 +109,8 @@ def test_trainer_labels_count_a_masked_cut_only_where_rows_were_cut_and_others_w
     wide = replace(s, top_k=tasks.VOCAB_SIZE, per_device_train_batch_size=4, steps_per_generation=1)
     labels = trainer_labels(wide, _record([(5, 2)]))
     assert {"top_k=0", "per_device_train_batch_size=several-groups", "steps_per_generation=gas"} <= labels
+    below = trainer_labels(replace(wide, gradient_accumulation_steps=3), _record([(5, 2)]))
+    assert "steps_per_generation=below-gas" in below
     Coverage(trainer_space()).add([mixed, labels])  # every label is the space's
 
 
