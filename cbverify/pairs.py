@@ -313,7 +313,7 @@ def concrete(strategy, seed: int):
     return got[-1]
 
 
-# ------------------------------------------------------------------------------------ the trainer's configuration space
+# ----------------------------------------------------------------------------------- the trainer's configuration space
 TRAINER_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 TRAINER_OUTSIDE = (
     ("processes", "the step checks record one trainer process; cbverify upstream --run --nproc 2 runs its scenarios "
@@ -326,8 +326,8 @@ TRAINER_OUTSIDE = (
 def trainer_space(loss_types: tuple[str, ...] = TRAINER_LOSS_TYPES) -> PairSpace:
     """The GRPO step property's space (``property_tests.strategies.trainer_configs``) for the loss types a release
     has: the loss normaliser (loss type, truncated rows masked, a generation batch spread over several accumulation
-    windows or a window over several generation batches), the sampler (temperature, top-k, top-p, min-p) and the batch layout (group size, how a
-    micro-batch cuts the groups)."""
+    windows or a window over several generation batches), the sampler (temperature, top-k, top-p, min-p) and the
+    batch layout (group size, how a micro-batch cuts the groups)."""
     if not loss_types:
         raise ValueError("trainer_space needs at least one loss type")
     return PairSpace(

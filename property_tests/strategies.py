@@ -344,7 +344,8 @@ def trainer_configs(draw, *, loss_types: tuple[str, ...], max_steps: int = 3, tr
     else:
         spg = draw(st.integers(2, 3) if force.get("steps_per_generation") == "above-gas" else st.integers(1, 3))
         unit = num_generations // gcd(num_generations, spg)  # the micro-batch size must make whole groups per batch
-        sizes = {"one-group": [num_generations], "several-groups": [k for k in (2 * num_generations, 6) if k % unit == 0]}
+        several = [k for k in (2 * num_generations, 6) if k % unit == 0]
+        sizes = {"one-group": [num_generations], "several-groups": several}
         per_device = draw(st.sampled_from(sizes[layout])) if layout else unit * draw(st.integers(1, max(1, 6 // unit)))
     gas = pick("steps_per_generation", {"gas": st.just(spg), "above-gas": st.integers(1, spg - 1),
                "below-gas": st.integers(spg + 1, 4)}, st.sampled_from([spg, spg, 1, 2, 3]))  # fmt: skip

@@ -77,7 +77,8 @@ def test_a_written_repro_script_reproduces_its_failure_standalone(tmp_path):
 
 # docs/fuzz.md, "Failures the old rule excused": sampled log-probs with per_request_processors=True above the oracle's
 # by 2e-4 to 1e-3, unregistered. The pair plan's first case (every sampler option at once) reaches it in 4 examples.
-_ABOVE = re.compile(r"position \d+: got (?P<got>-?[\d.e-]+), oracle (?P<oracle>-?[\d.e-]+) \(\|diff\| (?P<diff>[\d.e-]+)\)")
+_NUM = r"-?[\d.e-]+"
+_ABOVE = re.compile(rf"position \d+: got (?P<got>{_NUM}), oracle (?P<oracle>{_NUM}) \(\|diff\| (?P<diff>{_NUM})\)")
 
 
 def _the_known_unregistered_logprob_gap(cls) -> bool:

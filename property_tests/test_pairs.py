@@ -21,9 +21,17 @@ from cbverify.fuzz.coverage import MIN_SHARE, batch_space, batch_units, entry_sp
 from cbverify.fuzz.run import Outcome
 from cbverify.fuzz.search import explore, planned_cases
 from cbverify.pairs import (
-    Coverage, Group, Option, PairSpace, Plan, covering_rows, guaranteed_share, trainer_labels, trainer_space,
+    Coverage,
+    Group,
+    Option,
+    PairSpace,
+    Plan,
+    covering_rows,
+    guaranteed_share,
+    trainer_labels,
+    trainer_space,
     value_rows,
-)  # fmt: skip
+)
 from cbverify.upstream.scenario import TrainerScenario
 from reference import tasks
 
@@ -100,8 +108,16 @@ def test_trainer_labels_count_a_masked_cut_only_where_rows_were_cut_and_others_w
                         per_device_train_batch_size=3, steps_per_generation=2, gradient_accumulation_steps=1,
                         mask_truncated_completions=True, top_k=3, top_p=0.9, temperature=0.7)  # fmt: skip
     mixed = trainer_labels(s, _record([(5, 2), (5, 6, 7)]))
-    assert {"mask_truncated_completions=true+cut", "loss_type=dapo", "steps_per_generation=above-gas", "top_k=cut",
-            "top_p=below-1", "temperature=other", "min_p=0", "per_device_train_batch_size=splits-a-group"} <= mixed
+    assert {
+        "mask_truncated_completions=true+cut",
+        "loss_type=dapo",
+        "steps_per_generation=above-gas",
+        "top_k=cut",
+        "top_p=below-1",
+        "temperature=other",
+        "min_p=0",
+        "per_device_train_batch_size=splits-a-group",
+    } <= mixed
     assert not any(lab.startswith("mask_truncated") for lab in trainer_labels(s, _record([(5, 6), (7, 8)])))
     assert not any(lab.startswith("mask_truncated") for lab in trainer_labels(s, _record([(5, 2), (6, 2)])))
     assert trainer_labels(s, _record([(5, 2), (5, 6)], error=RuntimeError("boom"))) == set()
@@ -116,8 +132,9 @@ def test_trainer_labels_count_a_masked_cut_only_where_rows_were_cut_and_others_w
 
 def _batch_case(generation, prompts=((1, 5, 6, 7),), config=None, options=None):
     reqs = tuple(FuzzRequest(f"c0-i{j}", p, 4, ()) for j, p in enumerate(prompts))
+    step = Step("call", reqs, options=options or {"max_new_tokens": 4})
     return FuzzCase("transformers-cb", "tiny-llama-arith", False, config or {"max_batch_tokens": 64}, generation,
-                    (Step("call", reqs, options=options or {"max_new_tokens": 4}),), entry="generate_batch")  # fmt: skip
+                    (step,), entry="generate_batch")  # fmt: skip
 
 
 def _resolved(case, model_generation=None):
@@ -134,8 +151,14 @@ def test_batch_units_read_what_a_call_resolved_to_not_what_it_passed():
                           prompts=((1, 5, 6, 7), (1, 5, 6, 7), (1, 8)), config={"max_batch_tokens": 3},
                           options={"max_new_tokens": 4, "temperature": 1.5})  # fmt: skip
     (labels,) = batch_units(sampled, _resolved(sampled))
-    assert {"top_k=beyond-vocab", "temperature=other", "minimum_length=min_new_tokens", "repeated_input=yes",
-            "distinct_prompts=several", "max_batch_tokens=below-a-prompt"} <= labels  # a keyword wins over the config
+    assert {
+        "top_k=beyond-vocab",
+        "temperature=other",
+        "minimum_length=min_new_tokens",
+        "repeated_input=yes",
+        "distinct_prompts=several",
+        "max_batch_tokens=below-a-prompt",
+    } <= labels  # a keyword wins over the config
     late = _batch_case({"do_sample": True, "top_k": 3, "min_length": 30})
     (labels,) = batch_units(late, _resolved(late))
     assert {"top_k=cut", "minimum_length=min_length"} <= labels
@@ -151,8 +174,14 @@ def test_manager_units_are_per_request_and_sample_only_where_the_manager_samples
                     {"per_request_processors": True, "max_batch_tokens": 64, "max_requests_per_batch": 1},
                     {"do_sample": True, "min_p": 0.1}, (Step("call", (r, twin)),))  # fmt: skip
     first, second = manager_units(case)
-    assert {"temperature=other", "top_k=cut", "top_p=below-1", "min_p=above-0", "samples_per_prompt=several",
-            "max_requests_per_batch=binding"} <= first
+    assert {
+        "temperature=other",
+        "top_k=cut",
+        "top_p=below-1",
+        "min_p=above-0",
+        "samples_per_prompt=several",
+        "max_requests_per_batch=binding",
+    } <= first
     assert {"temperature=1.0", "top_k=unset", "top_p=unset-or-1"} <= second
     greedy = replace(case, generation={"do_sample": False})
     assert not any(lab.startswith(("temperature", "top_k", "top_p", "min_p")) for u in manager_units(greedy)
@@ -200,7 +229,8 @@ def test_a_derandomised_run_of_40_reaches_every_pair_and_every_value_in_its_shar
 
 @pytest.mark.parametrize(
     ("entry", "pair"),
-    [("manager", ("temperature=other", "top_k=cut")), ("generate_batch", ("num_return_sequences=2", "repeated_input=yes"))],
+    [("manager", ("temperature=other", "top_k=cut")),
+     ("generate_batch", ("num_return_sequences=2", "repeated_input=yes"))],
 )  # fmt: skip
 def test_a_pair_left_out_of_the_plan_is_named_by_the_report(arith, entry, pair):
     """The plan's cases alone (no free draws): with the pair, every pair is reached; without it, the line names

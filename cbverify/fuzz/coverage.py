@@ -1,5 +1,5 @@
-"""Options in pairs for the transformers CB fuzz (:mod:`cbverify.pairs`): the options of each entry point grouped by the
-quantity they act on, and what each case really did, read as labels.
+"""Options in pairs for the transformers CB fuzz (:mod:`cbverify.pairs`): the options of each entry point grouped by
+the quantity they act on, and what each case really did, read as labels.
 
 - **the sampler** (the processed distribution a token is drawn from): temperature, top-k, top-p, min-p, the
   repetition penalty, and the EOS mask of a minimum length; for ``generate_batch`` also the n-gram ban. A value that
@@ -104,9 +104,11 @@ def _call_layout(case, prompts: list[tuple[int, ...]], sequences: int) -> set[st
     c = case.config
     budget, limit = c.get("max_batch_tokens"), c.get("max_requests_per_batch")
     out = {f"distinct_prompts={'several' if len(set(prompts)) > 1 else 'one'}"}
-    out.add(f"max_batch_tokens={'below-a-prompt' if budget and any(len(p) > budget for p in prompts) else 'above-prompts'}")
+    chunked = budget and any(len(p) > budget for p in prompts)
+    out.add(f"max_batch_tokens={'below-a-prompt' if chunked else 'above-prompts'}")
     if "max_requests_per_batch" in c or compat.has("max_requests_per_batch"):
-        out.add("max_requests_per_batch=" + ("unlimited" if not limit else "binding" if limit < sequences else "loose"))
+        kind = "unlimited" if not limit else "binding" if limit < sequences else "loose"
+        out.add(f"max_requests_per_batch={kind}")
     return out
 
 
@@ -168,8 +170,8 @@ def batch_units(case, wants: list, ran: int | None = None) -> list[set[str]]:
         if want.do_sample:
             labels.add(f"temperature={'1.0' if want.temperature == 1.0 else 'other'}")
             k = passed.get("top_k")
-            labels.add("top_k=" + ("unset" if k is None else "0" if k == 0 else "cut" if 0 < want.top_k < tasks.VOCAB_SIZE
-                                   else "beyond-vocab"))  # fmt: skip
+            cuts = 0 < want.top_k < tasks.VOCAB_SIZE
+            labels.add("top_k=" + ("unset" if k is None else "0" if k == 0 else "cut" if cuts else "beyond-vocab"))
             labels.add(f"top_p={'below-1' if want.top_p < 1.0 else 'unset-or-1'}")
             labels.add(f"min_p={'above-0' if want.min_p > 0 else 'unset'}")
         units.append(labels)

@@ -13,6 +13,7 @@ from cbverify.engines import transformers_compat as compat
 from cbverify.fuzz.case import FuzzCase, FuzzRequest, Step, pages_needed
 from reference import tasks
 
+
 def _pick(draw, force: dict, option: str, values: dict, free):
     """``option``'s forced value (``values``: label -> strategy), else a free draw of ``free``."""
     if option in force:
@@ -237,7 +238,8 @@ def _batch_prompts(draw, call: int, earlier: list[tuple[int, ...]], max_prompt_l
     layout's ``distinct_prompts`` and ``repeated_input`` (the first prompt repeated)."""
     force = force or {}
     out = []
-    count = _pick(draw, force, "distinct_prompts", {"one": st.just(1), "several": st.integers(2, 3)}, st.integers(1, 3))
+    count = _pick(draw, force, "distinct_prompts", {"one": st.just(1), "several": st.integers(2, 3)},
+                  st.integers(1, 3))  # fmt: skip
     for i in range(count):
         kind = draw(st.sampled_from(["fresh", "fresh", "again", "head"])) if earlier else "fresh"
         if kind == "again":

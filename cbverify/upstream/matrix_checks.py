@@ -20,9 +20,10 @@ Each step is this repository's own command run by the venv's interpreter; each g
    ``xfail(k)`` (only registered failure classes) or ``FAIL(k)`` (k unregistered).
 
 Options in pairs (:mod:`cbverify.pairs`): the configuration space's test reports how many pairs of options acting on
-one quantity its runs set together (the suite property ``pair_coverage`` in the JUnit file), each fuzz run in its JSON; each becomes a
-row, ``pass(N/M)`` when every pair was reached, ``VACUOUS(N/M; not reached: ...)`` naming the others, as bad as a
-FAIL: a run that never set a listed pair together could not have found what only that pair shows.
+one quantity its runs set together (the suite property ``pair_coverage`` in the JUnit file), each fuzz run in its
+JSON; each becomes a row, ``pass(N/M)`` when every pair was reached, ``VACUOUS(N/M; not reached: ...)`` naming
+the others, as bad as a FAIL: a run that never set a listed pair together could not have found what only that
+pair shows.
 
 ``--steps`` runs a subset of 1-3 (the ``venv`` row is always there). A step that crashes or times out is an
 ``ERROR`` row with its last line, never a missing one.
