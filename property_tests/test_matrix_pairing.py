@@ -1,6 +1,7 @@
-"""Which transformers ``cbverify matrix`` builds a trl release with (:func:`cbverify.upstream.matrix.paired_transformers`)
-and how it reads a release's requirement off its wheel (:func:`~cbverify.upstream.matrix.requires`). No venv is built
-and the package index is not asked: both are replaced by fixed answers."""
+"""Which transformers ``cbverify matrix`` builds a trl release with
+(:func:`cbverify.upstream.matrix.paired_transformers`) and how it reads a release's requirement off its wheel
+(:func:`~cbverify.upstream.matrix.requires`). No venv is built and the package index is not asked: both are replaced
+by fixed answers."""
 
 from __future__ import annotations
 

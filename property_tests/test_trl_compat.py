@@ -80,7 +80,7 @@ def test_a_real_trainer_generates_with_the_eos_ids_read_by_the_layer_and_holds_t
 
 # the three shapes rollout_func calls take in TRL's GRPOTrainer: inside the vLLM branch only (0.25 to 0.27), handed to
 # the vLLM backend and never called by the trainer (0.28), called before any backend is chosen (0.29 on)
-_INSIDE_VLLM = '''
+_INSIDE_VLLM = """
 def _generate_single_turn(self, prompts):
     if self.use_vllm:
         if self.vllm_mode == "server":
@@ -90,15 +90,15 @@ def _generate_single_turn(self, prompts):
                 output = self.rollout_func(prompts, self)
     else:
         output = self.model.generate(prompts)
-'''
-_HANDED_ON = '''
+"""
+_HANDED_ON = """
 def _generate_single_turn(self, prompts):
     if self.use_vllm:
         output = self.vllm_generation.generate(prompts)
     else:
         output = self.model.generate(prompts)
-'''
-_BEFORE_BACKENDS = '''
+"""
+_BEFORE_BACKENDS = """
 def _generate(self, prompts):
     if self.rollout_func is not None:
         if self.use_vllm and self.state.global_step != self._last_loaded_step:
@@ -106,14 +106,14 @@ def _generate(self, prompts):
         output = self.rollout_func(prompts, self)
     else:
         output = self._generate_single_turn(prompts)
-'''
-_IN_ELSE_OF_VLLM = '''
+"""
+_IN_ELSE_OF_VLLM = """
 def _generate_single_turn(self, prompts):
     if not self.use_vllm_flag and self.use_vllm:
         pass
     else:
         output = self.rollout_func(prompts, self)
-'''
+"""
 
 
 def test_a_rollout_func_call_counts_only_outside_every_vllm_branch():

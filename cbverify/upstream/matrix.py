@@ -100,8 +100,9 @@ def requires(package: str, version: str, dependency: str):
     folder.mkdir(parents=True, exist_ok=True)
     wheels = sorted(folder.glob(f"{package.replace('-', '_')}-{version}-*.whl"))
     if not wheels:
-        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-                               "--dest", str(folder), f"{package}=={version}"], capture_output=True, text=True)  # fmt: skip
+        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:", "--dest",
+               str(folder), f"{package}=={version}"]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True)
         wheels = sorted(folder.glob(f"{package.replace('-', '_')}-{version}-*.whl"))
         if proc.returncode or not wheels:
             raise RuntimeError(f"cannot download {package}=={version} to read its metadata: "

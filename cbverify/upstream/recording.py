@@ -151,8 +151,9 @@ def replace_single_turn(trainer, rollout: Callable) -> None:
 
     def single_turn(prompts, *_, **__):
         out = rollout(prompts, trainer)
-        return trl_compat.single_turn_output(type(trainer), prompt_ids=out["prompt_ids"],
-                                             completion_ids=out["completion_ids"], logprobs=out["logprobs"])  # fmt: skip
+        return trl_compat.single_turn_output(
+            type(trainer), prompt_ids=out["prompt_ids"], completion_ids=out["completion_ids"], logprobs=out["logprobs"]
+        )
 
     trainer._generate_single_turn = single_turn
 

@@ -2,8 +2,9 @@
 
 Everything of TRL's trainers that the capture (:mod:`cbverify.upstream.capture`), the scenarios
 (:mod:`cbverify.upstream.scenario`) and the loss cross-check (``property_tests/test_reference_vs_trl.py``) touch and
-that changed between 1.0 and 1.16 (0.24 to 0.29 below), read in each minor release's newest patch (``trl/trainer/grpo_trainer.py``,
-``rloo_trainer.py``, ``grpo_config.py``; ``cbverify matrix --all-trl-minors 1.0`` builds them all):
+that changed between 1.0 and 1.16 (0.24 to 0.29 below), read in each minor release's newest patch
+(``trl/trainer/grpo_trainer.py``, ``rloo_trainer.py``, ``grpo_config.py``; ``cbverify matrix --all-trl-minors 1.0``
+builds them all):
 
 - the EOS ids a trainer generates with: ``trainer.eos_token_id`` (one id) up to 1.2, its tokenizer's
   ``eos_token_id`` (``trainer._tokenizer``) from 1.3 to 1.13, ``trainer.eos_token_ids`` (the tokenizer's EOS first,
@@ -142,8 +143,8 @@ def require_path(trainer: str, path: str) -> None:
     if path == "rollout_func" and "rollout_func" not in inspect.signature(cls.__init__).parameters:
         raise MissingFeature(f"trl {VERSION}: {cls.__name__} takes no rollout_func")
     if path == "rollout_func" and not rollout_func_off_vllm():
-        raise MissingFeature(f"trl {VERSION}: {cls.__name__} calls rollout_func only on its vLLM path (use_vllm=True); "
-                             "without vLLM it generates with model.generate and never calls it")  # fmt: skip
+        raise MissingFeature(f"trl {VERSION}: {cls.__name__} calls rollout_func only on its vLLM path (use_vllm="
+                             "True); without vLLM it generates with model.generate and never calls it")  # fmt: skip
     if path == "vllm" and "vllm_mode" not in fields(trainer):
         raise MissingFeature(f"trl {VERSION}: {config_cls.__name__} has no vllm_mode (colocated vLLM)")
     if path == "vllm" and (importlib.util.find_spec("trl.generation") is None  # 0.28 and before: no such package
@@ -237,8 +238,8 @@ def single_turn_layout(trainer_cls: type) -> tuple[str, ...]:
     if method is not None and hasattr(trainer_cls, "_generate_single_turn"):
         for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(method)))):
             call = getattr(node, "value", None)
-            if (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple) and isinstance(call, ast.Call)
-                    and isinstance(call.func, ast.Attribute) and call.func.attr == "_generate_single_turn"):  # fmt: skip
+            unpacked = isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple)
+            if unpacked and isinstance(call, ast.Call) and getattr(call.func, "attr", None) == "_generate_single_turn":
                 return tuple(target.id for target in node.targets[0].elts)
     raise MissingFeature(f"trl {VERSION}: {trainer_cls.__name__}._generate unpacks no "
                          "self._generate_single_turn(...) tuple")  # fmt: skip
