@@ -68,9 +68,8 @@ def _below_trl_floor(versions: list[str]) -> str | None:
         except InvalidVersion:  # a checkout path
             continue
         if below:
-            return (f"trl {v} is before {FLOOR}: trl 0.14 to 0.28 read transformers' _is_package_available as a bool, "
-                    "a (bool, version) tuple from transformers 5.0, and their GRPOTrainer fails to import beside "
-                    "transformers >= 5 (cbverify.upstream.trl_compat)")  # fmt: skip
+            return (f"trl {v} is before {FLOOR}, the first release with a GRPOTrainer "
+                    "(cbverify.upstream.trl_compat)")  # fmt: skip
     return None
 
 
