@@ -616,28 +616,32 @@ def test_a_documented_command_exits_as_documented(way: Here, tmp_path, monkeypat
         way.check(tmp_path, out, err)
 
 
-def _marks(path: Path, name: str) -> set[str] | None:
-    """The markers on test ``name`` in ``path`` (its decorators, the module's ``pytestmark``); ``None`` if absent."""
+def _marks(path: Path, name: str) -> tuple[set[str], set[str]] | None:
+    """The markers on test ``name`` in ``path``: those on the whole test (its decorators, the module's
+    ``pytestmark``) and those on some of its parameters (``pytest.param(..., marks=...)``); ``None`` if absent."""
     tree = ast.parse(path.read_text())
     assigned = {t.id: node.value for node in tree.body if isinstance(node, ast.Assign) for t in node.targets
                 if isinstance(t, ast.Name)}  # fmt: skip
-    found, marks = False, set()
+    found, whole, some = False, set(), set()
 
-    def collect(node, depth: int = 0) -> None:  # a module-level name in a decorator (a list of params) counts too
-        for sub in ast.walk(node):
-            if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Attribute) and sub.value.attr == "mark":
-                marks.add(sub.attr)
-            elif isinstance(sub, ast.Name) and sub.id in assigned and depth < 3:
-                collect(assigned[sub.id], depth + 1)
+    def collect(node, marks: set[str], depth: int = 0) -> None:  # a module-level name (a list of params) counts too
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "param":
+            marks = some
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "mark":
+            marks.add(node.attr)
+        elif isinstance(node, ast.Name) and node.id in assigned and depth < 3:
+            collect(assigned[node.id], marks, depth + 1)
+        for child in ast.iter_child_nodes(node):
+            collect(child, marks, depth)
 
     if "pytestmark" in assigned:
-        collect(assigned["pytestmark"])
+        collect(assigned["pytestmark"], whole)
     for node in tree.body:
         if isinstance(node, ast.FunctionDef) and node.name == name:
             found = True
             for decorator in node.decorator_list:
-                collect(decorator)
-    return marks if found else None
+                collect(decorator, whole)
+    return (whole, some) if found else None
 
 
 @pytest.mark.parametrize(("command", "way"), _ways(Elsewhere), ids=lambda x: x if isinstance(x, str) else x.where)
@@ -645,12 +649,13 @@ def test_a_command_run_elsewhere_is_run_where_its_entry_says(command, way):
     path, _, name = way.where.partition("::")
     assert (REPO / path).is_file(), f"{command!r}: {path} does not exist"
     if name:
-        marks = _marks(REPO / path, name)
-        assert marks is not None, f"{command!r}: no test {name} in {path}"
-        if way.marker is None:
-            assert not marks & set(DESELECTED), f"{command!r}: {way.where} is not in the default run ({marks})"
+        found = _marks(REPO / path, name)
+        assert found is not None, f"{command!r}: no test {name} in {path}"
+        whole, some = found
+        if way.marker is None:  # a test some of whose parameters are marked still runs the others by default
+            assert not whole & set(DESELECTED), f"{command!r}: {way.where} is not in the default run ({whole})"
         else:
-            assert way.marker in marks, f"{command!r}: {way.where} does not carry the marker {way.marker} ({marks})"
+            assert way.marker in whole | some, f"{command!r}: {way.where} does not carry the marker {way.marker}"
     else:
         assert way.needle and way.needle in (REPO / path).read_text(), f"{command!r}: {way.needle!r} not in {path}"
 
