@@ -442,14 +442,16 @@ FINDINGS: tuple[Finding, ...] = (
         when="loss_type dapo or cispo with steps_per_generation != gradient_accumulation_steps, windows of unequal "
         "active-token counts (the step checks of cbverify.upstream.steps)",
         applies=lambda s: s.loss_type in ("dapo", "cispo") and s.spg != s.gradient_accumulation_steps,
-        affected="transformers 5.24.0 + trl 0.29.1 and 1.0.0 to 1.16.0 (the TRL matrix): every release; the form "
-        "changed in 1.9",
+        affected="transformers 5.24.0 + trl 0.29.1 and 1.0.0 to 1.16.0 (the TRL matrix), transformers 4.57.6 + trl "
+        "0.28.0: every release, in three forms: up to 1.8 (0.x included), 1.9.0, from 1.9.1",
         evidence="GRPOConfig documents dapo/cispo as normalised by the active tokens of the global accumulated batch; "
-        "_compute_loss divides every micro-batch by num_items_in_batch, the generation batch's active tokens (up "
-        "to 1.8), times gradient_accumulation_steps / steps_per_generation from 1.9 (the mean window): a window "
-        "of 8 tokens in a generation batch of 10 split in 2 gets a token gradient of -A/5 (1.16) or -A/10 (1.8) "
-        "instead of -A/8; the trained Llama with spg=4, gas=2 and truncated rows masked: loss call 0.16227 vs "
-        "0.16498, step gradient off by 1.6% of its norm",
+        "_compute_loss divides every micro-batch by num_items_in_batch: up to 1.8 the generation batch's completion "
+        "lengths (truncated rows that mask_truncated_completions drops from the loss still counted), in 1.9.0 its "
+        "active tokens, from 1.9.1 those times gradient_accumulation_steps / steps_per_generation (the mean "
+        "window): a window of 8 tokens in a generation batch of 10 split in 2 gets a token gradient of -A/5 "
+        "(1.16) or -A/10 (1.9.0) instead of -A/8; the trained Llama with spg=4, gas=2 and truncated rows masked: "
+        "loss call 0.16227 vs 0.16498, step gradient off by 1.6% of its norm; with spg=2, gas=1 a loss call is "
+        "0.241379 x the reference's on 1.8.0 and 0.28.0 (truncated rows counted), 0.5 x on 1.9.0",
         repro=TrainerScenario(
             path="rollout_func",
             rollout_backend="reference",

@@ -141,14 +141,20 @@ def another_attention(scenario, seen: dict) -> str | None:
 
 def _normaliser_ratio(seen: dict) -> list[float] | str:
     """Per loss call, the factor TRL's dapo / cispo normaliser puts on the reference's loss: the window's active
-    tokens over TRL's count, the generation batch's tokens (``num_items_in_batch``) times, from trl 1.9,
-    gradient_accumulation_steps / steps_per_generation (one mean window)."""
-    window, generation, steps = seen.get("window_tokens"), seen.get("generation_tokens"), seen.get("steps")
-    if not (window and generation and steps):
-        return "the check observed no token counts"
+    tokens over TRL's count (``num_items_in_batch``), in the form of the installed release:
+
+    - up to 1.8 (0.x included): every completion token of the generation batch, truncated rows that
+      ``mask_truncated_completions`` removes from the loss still counted (the completion lengths);
+    - 1.9.0: the generation batch's active tokens;
+    - from 1.9.1: those, times gradient_accumulation_steps / steps_per_generation (one mean window)."""
+    window, steps = seen.get("window_tokens"), seen.get("steps")
     from cbverify.upstream.findings import installed_in  # findings imports this module
 
-    per_window = steps[0] / steps[1] if installed_in("trl", ">=1.9") else 1.0
+    counted = "generation_tokens" if installed_in("trl", ">=1.9.0") else "generation_completion_tokens"
+    generation = seen.get(counted)
+    if not (window and generation and steps):
+        return f"the check observed no token counts ({counted})"
+    per_window = steps[0] / steps[1] if installed_in("trl", ">=1.9.1") else 1.0
     return [w / (g * per_window) for w, g in zip(window, generation, strict=True)]
 
 

@@ -299,19 +299,25 @@ def _check_windows(scenario, record, model, assigned) -> list[CheckResult]:
 
 def active_tokens(scenario: TrainerScenario, record: Record, window: list[LossCall], assigned) -> tuple:
     """The token counts a loss normaliser can be made of, for a finding's model: per loss call of the window, the
-    window's active tokens (the reference's dapo / cispo normaliser) and its generation batch's (TRL's
-    ``num_items_in_batch``), and the accumulation and generation steps."""
+    window's active tokens (the reference's dapo / cispo normaliser), its generation batch's (TRL's
+    ``num_items_in_batch`` from 1.9) and every completion token of that batch, truncated rows that
+    ``mask_truncated_completions`` removes included (``num_items_in_batch`` up to 1.8: the completion lengths), and
+    the accumulation and generation steps."""
+    from dataclasses import replace
+
     from reference.grpo_step import Row, completion_mask
 
     config = step_config(scenario, record.eos_token_ids, record.use_bias_correction_kl)
+    unmasked = replace(config, mask_truncated_completions=False)
     rows = window_rows(record, window, assigned)
     in_window = sum(float(m.sum()) for micro in rows for m in completion_mask(micro, config))
 
-    def in_generation(g: int) -> float:
+    def in_generation(g: int, config) -> float:
         gen = record.generations[g]
         batch = [Row(p, c, 0.0, g) for p, c in zip(gen.prompt_ids, gen.completion_ids, strict=True)]
         return sum(float(m.sum()) for m in completion_mask(batch, config))
 
     return (("window_tokens", (in_window,) * len(window)),
-            ("generation_tokens", tuple(in_generation(call.generation) for call in window)),
+            ("generation_tokens", tuple(in_generation(call.generation, config) for call in window)),
+            ("generation_completion_tokens", tuple(in_generation(call.generation, unmasked) for call in window)),
             ("steps", (float(scenario.gradient_accumulation_steps), float(scenario.spg))))  # fmt: skip
