@@ -49,7 +49,7 @@ def _script(finding_id: str, log_dir: Path):
     if finding_id in fuzz:
         finding = fuzz[finding_id]
         path = log_dir / f"bisect-{finding_id}.py"
-        path.write_text(repro.script_text(finding.repro, finding.checks[0], finding.evidence))
+        path.write_text(repro.standalone_script(finding))
         return finding, path
     scripted = sorted([f.id for f in FINDINGS if f.script] + list(fuzz))
     raise ValueError(f"unknown finding {finding_id!r}; findings with a standalone repro: {', '.join(scripted)}")
