@@ -607,3 +607,105 @@ def test_a_written_cb_impl_repro_script_runs_standalone(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.splitlines()[-1] == "engine-crash: not reproduced", done.stdout
     assert "c0-p1-g2: engine [" in done.stdout and "c0-p1-g2: oracle [" in done.stdout
+
+
+# ------------------------------------------------------------------------------- the caller's plain forwards
+# A persistent generate_batch with a training step between its calls, inside pause() where the release has one: the
+# caller's plain forwards run after each call and inside the step, each against a twin that never had a manager.
+PAUSED_TRAIN = _batch_case(([P1], 3), Step("train", seed=1, paused=compat.CAN_PAUSE), ([P2], 3),
+                           persistent="persistent_manager" in compat.BATCH_PARAMETERS,
+                           generation={"do_sample": False, "eos_token_id": []})  # fmt: skip
+ONE_MANAGER_CALL = FuzzCase("transformers-cb", "tiny-llama-arith", False,
+                            {"page_size": 4, "num_blocks": 16, "max_batch_tokens": 16}, {"do_sample": False},
+                            (Step("call", (FuzzRequest("r", P2, 3, (2,)),)),))  # fmt: skip
+
+
+class LeavesPagedAttention(BatchSession):
+    """generate_batch leaves a paged attention kernel installed after the call (as 5.8's manager does; paged|eager,
+    which later releases keep, where 5.24 reads paged|sdpa as sdpa)."""
+
+    def generate(self, step):
+        result = super().generate(step)
+        self.model.set_attn_implementation("paged|eager")
+        return result
+
+
+class ForcesTrainMode(BatchSession):
+    """generate_batch hands the model back in train mode whatever mode the caller set."""
+
+    def generate(self, step):
+        result = super().generate(step)
+        self.model.train()
+        return result
+
+
+class TrainsThroughAHook(BatchSession):
+    """The training step between calls runs with a hook on the logits (a manager's leftover inside its pause)."""
+
+    def train_step(self, seed, paused=False):
+        handle = self.model.lm_head.register_forward_hook(lambda module, args, out: out * 1.5)
+        try:
+            super().train_step(seed, paused)
+        finally:
+            handle.remove()
+
+
+def _leaks_a_logits_hook():
+    from cbverify.fuzz.drivers import Session
+
+    class LeaksALogitsHook(Session):
+        """The manager's call leaves a forward hook on the model's logits (removed by the test)."""
+
+        handles: list = []
+
+        def _cb_call(self, step):
+            result = super()._cb_call(step)
+            self.handles.append(self.model.lm_head.register_forward_hook(lambda module, args, out: out + 0.25 * out))
+            return result
+
+    return LeaksALogitsHook
+
+
+LeaksALogitsHook = _leaks_a_logits_hook()
+
+
+_REAL: dict = {}  # the real session's outcome per case, run once for every fault planted on that case
+
+
+def _plain(outcome) -> list[str]:
+    return [f.detail for f in outcome.failures if f.check == "plain-forward"]
+
+
+@pytest.mark.parametrize(
+    ("fault", "case", "shows"),
+    [(LeavesPagedAttention, PAUSED_TRAIN, r"after call 0 \(.*\): attn_implementation 'paged\|eager' where the "
+      r"caller set 'sdpa'"),
+     (ForcesTrainMode, PAUSED_TRAIN, r"after call 0 \(.*\): training True where the caller set False$"),
+     (TrainsThroughAHook, PAUSED_TRAIN, r"^training step \(.*\): training-step forward differs from a model that "
+      r"never had a manager: loss"),
+     (LeaksALogitsHook, ONE_MANAGER_CALL, r"after call 0 \(no manager left\): caller-mode forward differs from a "
+      r"model that never had a manager")],
+    ids=lambda v: v.__name__ if isinstance(v, type) else "",
+)  # fmt: skip
+def test_a_plain_forward_changed_beside_the_manager_is_caught(llama, fault, case, shows):
+    """Real transformers CB (bundled llama, sdpa, eval mode as the caller set them) passes the plain-forward check
+    on the case, where it is decisive; the same session with one leftover planted beside the manager (its paged
+    attention, train mode, a hook on the logits during the step or after the call) fails it with that detail."""
+    outcomes = {}
+    for name, factory in (("real", None), ("faulty", fault)):
+        if name == "real" and case.dumps() in _REAL:
+            outcomes[name] = _REAL[case.dumps()]
+            continue
+        pristine = Pristine(llama.model)
+        try:
+            outcomes[name] = run_case(llama.model, case, *(() if factory is None else (factory,)))
+        finally:
+            for handle in getattr(fault, "handles", []):
+                handle.remove()
+            pristine.restore()
+        if name == "real":
+            _REAL[case.dumps()] = outcomes[name]
+    assert "plain-forward" in outcomes["real"].decisive, outcomes["real"].decisive
+    assert not _plain(outcomes["real"]), _plain(outcomes["real"])
+    assert any(re.search(shows, d) for d in _plain(outcomes["faulty"])), _plain(outcomes["faulty"])
+    assert all(explaining("transformers-cb", "plain-forward", d, case)[0] is None for d in _plain(outcomes["faulty"]))

@@ -36,6 +36,22 @@ MEASURED = [
      "'r': Failed to fork blocks for request r"),
     ("cb-reseeds-global-rng", "state:global-rng",
      "torch's global RNG state changed", "torch's CUDA RNG state changed"),
+    ("cb-plain-forward-runs-in-eval-mode", "plain-forward",  # 5.24.0, the generate_batch fuzz
+     "after call 0 (the cached manager, stopped): training False where the caller set True",
+     "after call 0 (no manager left): training True where the caller set False"),
+    ("cb-live-manager-runs-the-callers-forward-paged", "plain-forward",  # 5.24.0, its repro
+     "after call 0 (beside the live manager): caller-mode forward differs from a model that never had a manager: "
+     "loss 1.43609 vs 4.29152e-06, log-probs max |diff| 7.06 at (0, 0)",
+     "after call 0 (no manager left): attn_implementation 'paged|eager' where the caller set 'sdpa'"),
+    ("cb-live-manager-breaks-the-callers-forward", "plain-forward",  # 5.18.0, its repro
+     "after call 0 (beside the live manager): caller-mode forward raised ValueError: `paged|sdpa` was called without "
+     "a paged attention cache. This implementation expects the packed inputs and the 4D mask that continuous "
+     "batching prepare",
+     "after call 0 (beside the live manager): caller-mode forward raised RuntimeError: shape mismatch"),
+    ("cb-stopped-manager-leaves-the-callers-forward-paged", "plain-forward",  # 5.8.0, its repro
+     "after call 0 (no manager left): caller-mode forward differs from a model that never had a manager: loss "
+     "1.43609 vs 4.29152e-06, log-probs max |diff| 7.06 at (0, 0)",
+     "after call 0 (no manager left): training False where the caller set True"),
     ("cb-leaves-paged-attention", "state:attn-implementation",  # 5.8.1
      "attn_implementation 'sdpa' before, 'paged|sdpa' after", "attn_implementation 'sdpa' before, 'eager' after"),
     ("cb-leaves-model-in-eval-mode", "state:training-mode",

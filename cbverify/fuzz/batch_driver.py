@@ -12,6 +12,8 @@ continuous_batching_config=..., persistent_manager=..., **options)`` as TRL and 
   between two ``generate_batch`` calls.
 - Every ``GenerationConfig`` passed is kept with a copy of its contents (``passed_configs``): the judge checks none
   was changed.
+- After every call, and inside every training step or weight update between calls, the caller's plain forwards are
+  compared with a twin that never had a manager (``plain``: :class:`cbverify.fuzz.drivers.PlainForwards`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 
 from cbverify.engines import transformers_compat as compat
 from cbverify.fuzz.case import FuzzCase, Step
-from cbverify.fuzz.drivers import CallResult, Output, train_once
+from cbverify.fuzz.drivers import CallResult, Output, PlainForwards, train_once
 from reference.models import perturb
 
 BATCH_TIMEOUT_S = 60.0  # a call on the tiny bundled models takes ~1 s; past this it is reported as a hang
@@ -36,9 +38,10 @@ class BatchSession:
     case: FuzzCase
     passed_configs: list = field(default_factory=list)  # (GenerationConfig, its to_dict() before the call)
     timeout_s: float = BATCH_TIMEOUT_S
+    plain: PlainForwards | None = None  # the caller's plain forwards, against a twin that never had a manager
 
     def open(self) -> None:
-        pass
+        self.plain = PlainForwards.open(self.model, self.case)
 
     def close(self) -> None:
         if self.case.persistent:
@@ -53,6 +56,16 @@ class BatchSession:
         return {**compat.batch_kwargs(persistent_manager=self.case.persistent, progress_bar=False), **step.options}
 
     def call(self, step: Step) -> CallResult:
+        """One ``generate_batch`` call (:meth:`generate`), then the caller's plain forwards beside what it left."""
+        result = self.generate(step)
+        if self.plain is not None:
+            done = [(list(o.prompt_ids) + list(o.tokens), len(o.prompt_ids)) for o in result.raw if o.error is None]
+            self.plain.remember(done or [(list(r.prompt_ids), len(r.prompt_ids)) for r in step.requests])
+            left = "the cached manager, stopped" if self.case.persistent else "no manager left"
+            self.plain.probe(f"after call {self.plain.calls - 1} ({left})")
+        return result
+
+    def generate(self, step: Step) -> CallResult:
         from transformers.generation import ContinuousBatchingConfig
 
         try:
@@ -120,10 +133,25 @@ class BatchSession:
         finally:
             manager.stop(block=True, keep_for_next_session=True)
 
+    def _where(self, paused: bool) -> str:
+        if paused and compat.cached_manager(self.model) is not None:
+            return "inside pause()"
+        return "beside the cached manager, stopped" if compat.cached_manager(self.model) is not None else (
+            "no manager left")  # fmt: skip
+
     def train_step(self, seed: int, paused: bool = False) -> None:
+        where = f"training step ({self._where(paused)})"
         with self.held(paused):
-            train_once(self.model, seed)
+            if self.plain is None:
+                train_once(self.model, seed)
+                return
+            self.plain.train(where, seed, lambda: train_once(self.model, seed))
+            self.plain.probe(where)
 
     def update_weights(self, seed: int, paused: bool = False) -> None:
+        where = f"weight update ({self._where(paused)})"
         with self.held(paused):
             perturb(self.model, seed)
+            if self.plain is not None:
+                self.plain.update(seed)
+                self.plain.probe(where)

@@ -45,7 +45,7 @@ from reference.spec import Rollout, RolloutRequest, SamplingParams
 
 BATCH_CHECKS = (
     "engine-crash", "request-failed", "result-count", "results-order", "conventions", "min-new-tokens",
-    "no-repeat-ngram", "tokens", "support", "logprobs",
+    "no-repeat-ngram", "tokens", "support", "logprobs", "plain-forward",
 )  # fmt: skip
 
 

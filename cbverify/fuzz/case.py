@@ -80,6 +80,7 @@ class FuzzCase:
     steps: tuple[Step, ...] = ()
     caller_training: bool = False  # the caller's model is in train mode when it hands it over (a GRPO loop's is)
     entry: Entry = "manager"
+    caller_attn: str | None = None  # the attention implementation the caller set (None: the checkpoint's as loaded)
 
     @property
     def calls(self) -> list[Step]:
@@ -123,7 +124,8 @@ class FuzzCase:
             extra = {k: s[k] for k in ("generation", "options", "paused") if k in s}
             steps.append(Step(s["kind"], reqs, s.get("staggered", False), s.get("seed", 0), **extra))
         fields = {k: data[k] for k in ("engine", "model", "persistent", "config", "generation", "caller_training")}
-        return FuzzCase(**fields, steps=tuple(steps), entry=data.get("entry", "manager"))
+        return FuzzCase(**fields, steps=tuple(steps), entry=data.get("entry", "manager"),
+                        caller_attn=data.get("caller_attn"))  # fmt: skip
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), sort_keys=True)

@@ -9,6 +9,9 @@ the quantity they act on, and what each case really did, read as labels.
   (the manager: a GRPO group; ``generate_batch``: ``num_return_sequences`` > 1 and an input repeated, as TRL does),
   several prompts in a call, a step budget below a prompt (chunked prefill), ``max_requests_per_batch`` below the
   call's sequences. Processes are no option of a CB manager (``outside``).
+- **where the caller's plain forwards run** (a single, in no pair: :func:`plain_forward_option`): after a call whose
+  manager is gone, beside a persistent manager between calls, inside its ``pause()`` (releases with one); and the
+  attention implementation the caller set (``caller_attention``: the checkpoint's as loaded, or eager).
 
 A unit is what options act on together: for the manager's sampler a request (each carries its own temperature /
 top-k / top-p) with its call's layout; for ``generate_batch`` a call (one resolved ``GenerationConfig`` for all its
@@ -25,8 +28,46 @@ from reference import tasks
 
 SAMPLING = (("do_sample", "true"),)
 PER_REQUEST = (("do_sample", "true"), ("per_request_processors", "true"))
-__all__ = ["MIN_SHARE", "batch_space", "batch_units", "entry_space", "manager_space", "manager_units"]
+__all__ = ["MIN_SHARE", "batch_space", "batch_units", "entry_space", "manager_space", "manager_units",
+           "plain_forward_labels", "plain_forward_option"]  # fmt: skip
 OUTSIDE = (("processes", "a continuous-batching manager serves one process; no option of its entry points"),)
+
+
+def plain_forward_option(persistent: str | None) -> Option:
+    """Where the caller's plain forwards run beside CB (:class:`cbverify.fuzz.drivers.PlainForwards`): after a call
+    whose manager is gone (``no-manager-left``), beside a persistent manager between calls (``beside-a-manager``:
+    the manager's running idle loop, or ``generate_batch``'s cached one), inside its ``pause()`` during a training step
+    or weight update between calls (``inside-pause``, releases with ``pause()``). ``persistent``: the option that
+    makes a manager persistent in this space (``None``: the strategy forces it itself)."""
+    values = ("no-manager-left", "beside-a-manager") + (("inside-pause",) if compat.CAN_PAUSE else ())
+    if persistent is None:
+        return Option("plain_forward", values)
+    needs = {"no-manager-left": "false", "beside-a-manager": "true", "inside-pause": "true"}
+    return Option("plain_forward", values, (), tuple((v, ((persistent, needs[v]),)) for v in values))
+
+
+CALLER_ATTENTION = Option("caller_attention", ("as-loaded", "eager"))  # the attention implementation the caller set
+
+
+def plain_forward_labels(case, ran: int | None = None) -> list[set[str]]:
+    """Per call that ran, where the plain forwards made with it ran (after the call, and in the step before it), and
+    the attention implementation the caller set."""
+    attn = f"caller_attention={'eager' if case.caller_attn == 'eager' else 'as-loaded'}"
+    labels, step_label = [], None
+    persistent = case.persistent
+    calls = 0
+    for s in case.steps:
+        if ran is not None and calls >= ran:
+            break
+        if s.kind != "call":
+            paused = persistent and compat.CAN_PAUSE and (case.entry == "manager" or s.paused)
+            step_label = "inside-pause" if paused else "beside-a-manager" if persistent else "no-manager-left"
+            continue
+        calls += 1
+        here = {f"plain_forward={'beside-a-manager' if persistent else 'no-manager-left'}"}
+        labels.append(here | {attn} | ({f"plain_forward={step_label}"} if step_label else set()))
+        step_label = None
+    return labels
 
 
 def _limits() -> tuple[str, ...]:
@@ -62,7 +103,8 @@ def manager_space() -> PairSpace:
             )),
             _layout("samples_per_prompt"),
         ),
-        singles=(Option("do_sample", ("true", "false")), Option("per_request_processors", ("true", "false"))),
+        singles=(Option("do_sample", ("true", "false")), Option("per_request_processors", ("true", "false")),
+                 plain_forward_option(None), CALLER_ATTENTION),
         outside=OUTSIDE,
     )  # fmt: skip
 
@@ -72,9 +114,11 @@ def batch_space() -> PairSpace:
     single values also for how it was passed (``do_sample`` unset, ``top_k`` unset / 0 / beyond the vocabulary, the
     EOS forms)."""
     singles = [Option("do_sample", ("true", "false", "unset")),
-               Option("eos_token_id", ("unset", "int", "list", "none"))]  # fmt: skip
+               Option("eos_token_id", ("unset", "int", "list", "none")), CALLER_ATTENTION]  # fmt: skip
     if "persistent_manager" in compat.BATCH_PARAMETERS:
-        singles.append(Option("persistent_manager", ("true", "false")))
+        singles += [Option("persistent_manager", ("true", "false")), plain_forward_option("persistent_manager")]
+    else:  # one manager per call: the plain forwards run after it is gone
+        singles.append(Option("plain_forward", ("no-manager-left",)))
     return PairSpace(
         "transformers-cb generate_batch",
         (
@@ -124,9 +168,10 @@ def manager_units(case, ran: int | None = None) -> list[set[str]]:
     if sampled:
         common.add(f"min_p={'above-0' if g.get('min_p') else 'unset'}")
     units = []
-    for step in case.calls[: len(case.calls) if ran is None else ran]:
+    plain = plain_forward_labels(case, ran)
+    for k, step in enumerate(case.calls[: len(case.calls) if ran is None else ran]):
         prompts = [r.prompt_ids for r in step.requests]
-        layout = _call_layout(case, prompts, len(prompts))
+        layout = _call_layout(case, prompts, len(prompts)) | plain[k]
         layout.add(f"samples_per_prompt={'several' if len(prompts) > len(set(prompts)) else 'one'}")
         for r in step.requests:
             labels = common | layout
@@ -146,10 +191,11 @@ def batch_units(case, wants: list, ran: int | None = None) -> list[set[str]]:
     if len(wants) != len(calls):
         raise ValueError(f"batch_units: {len(wants)} resolved configs for {len(calls)} calls")
     units = []
-    for step, want in zip(calls, wants, strict=True):
+    plain = plain_forward_labels(case, len(calls))
+    for k, (step, want) in enumerate(zip(calls, wants, strict=True)):
         passed = {**case.generation_of(step), **step.options}
         prompts = [r.prompt_ids for r in step.requests]
-        labels = _call_layout(case, prompts, len(prompts) * want.num_return_sequences)
+        labels = _call_layout(case, prompts, len(prompts) * want.num_return_sequences) | plain[k]
         labels.add(f"repeated_input={'yes' if len(prompts) > len(set(prompts)) else 'no'}")
         labels.add(f"num_return_sequences={min(3, want.num_return_sequences)}")
         ds = passed.get("do_sample")

@@ -177,6 +177,44 @@ def _cache_fits_exactly(case: FuzzCase) -> bool:
     return case.config.get("num_blocks") is not None and case.config["num_blocks"] <= pages_needed(case.requests, page)
 
 
+# a plain-forward detail (cbverify.fuzz.drivers.PlainForwards): where the caller's forward ran, then what differed
+PLAIN_WHERE = (
+    r"^(?:after call (?P<call>\d+)|training step|weight update) \((?P<where>no manager left|beside the live manager|"
+    r"(?:beside )?the cached manager, stopped|inside pause\(\))\): "
+)
+PAGED_ATTN = r"attn_implementation 'paged\|(?P<kernel>\w+)' where the caller set '(?P=kernel)'"
+PLAIN_FORWARDS = r"(?:caller-mode|eval-mode|training-step) forward"
+PAGED_FORWARD = rf"(?:{PAGED_ATTN}|{PLAIN_FORWARDS} differs from a model that never had a manager: )"
+NO_CACHE = r"was called without a paged attention cache"  # 5.18's paged kernels on a plain forward
+
+
+def _beside_a_live_manager(case: FuzzCase) -> bool:
+    """The caller makes a plain forward while a manager lives: between the calls of a persistent manager of the
+    request API (running, idle) or inside ``pause()`` (a step between calls)."""
+    persistent_loop = case.entry == "manager" and case.persistent
+    return persistent_loop or (compat.CAN_PAUSE and case.persistent and any(s.paused for s in case.steps))
+
+
+def _eager_beside_a_live_manager(case: FuzzCase) -> bool:
+    """:func:`_beside_a_live_manager` with the caller's attention set to eager."""
+    return case.caller_attn == "eager" and _beside_a_live_manager(case)
+
+
+def while_the_manager_lives(case: FuzzCase, seen: dict) -> str | None:
+    """Plain forward: it ran while the manager lived (beside its running loop, inside ``pause()``), or after a
+    training step inside ``pause()`` that trained on the paged forward (the weights differ from then on)."""
+    if seen["where"] in ("beside the live manager", "inside pause()"):
+        return None
+    call = int(seen["call"]) if seen.get("call") is not None else None
+    calls, trained = -1, False
+    for step in case.steps:
+        calls += step.kind == "call"
+        trained |= step.kind == "train" and step.paused and (call is None or calls < call)
+    if trained:
+        return None
+    return f"it ran {seen['where']!r}, with no manager alive and no training step inside pause() before it"
+
+
 NOT_SCHEDULABLE = r"No requests can be scheduled and no requests? can be offloaded\."  # 5.17 and on: "requests"
 EOS_HELD_BACK = {  # a dropped minimum length: EOS comes before it
     "min-new-tokens": EOS_BEFORE_MINIMUM,
@@ -275,6 +313,94 @@ MANAGER_FINDINGS: tuple[FuzzFinding, ...] = (
         "only the attention implementation: a model handed over in train mode comes back in eval mode",
         repro=_one_call(FuzzRequest("r", PROMPT, 2, (2,)), caller_training=True),
         predicts={"state:training-mode": r"^training True before, False after$"},
+    ),
+    FuzzFinding(
+        id="cb-plain-forward-runs-in-eval-mode",
+        engine="transformers-cb",
+        checks=("plain-forward",),
+        when="the caller's model is in train mode",
+        applies=lambda case: case.caller_training,
+        evidence="the caller's model in train mode, one call: right after it (and inside every training step or "
+        "weight update between calls, beside a persistent manager or inside its pause()) the model's training flag "
+        "is False where the caller set True, so the trainer's next plain forward runs in eval mode (the manager's "
+        "model.eval(), the same cause as cb-leaves-model-in-eval-mode); on the bundled models, which have no dropout, "
+        "its loss and log-probs still equal a model that never had a manager",
+        repro=_one_call(FuzzRequest("r", PROMPT, 2, (2,)), caller_training=True),
+        predicts={"plain-forward": PLAIN_WHERE + r"training False where the caller set True$"},
+    ),
+    FuzzFinding(
+        id="cb-live-manager-runs-the-callers-forward-paged",
+        engine="transformers-cb",
+        checks=("plain-forward",),
+        when="the caller set eager attention and makes a plain forward while a manager lives: between the calls of a "
+        "persistent manager (its loop running idle), or inside pause()",
+        applies=_eager_beside_a_live_manager,
+        evidence="a model set to eager attention: the manager switches it to 'paged|eager' when it is built and back "
+        "only in stop(); between the calls of a persistent manager, and inside its pause(), the caller's own forward "
+        "runs the paged kernel with no paged cache and returns other logits without an error (the repro: the "
+        "teacher-forced forward of the call's prompt and completion has loss 1.43609 where a model that never had a "
+        "manager has 4.29e-06, log-probs max |diff| 7.06); a training step inside pause() trains on them, so the "
+        "weights differ from then on (sdpa, the bundled models' own, is left in place)",
+        repro=FuzzCase(
+            "transformers-cb",
+            "tiny-llama-arith",
+            True,
+            _CB,
+            {"do_sample": False},
+            (Step("call", (FuzzRequest("c0-r", PROMPT, 2, (2,)),)),),
+            caller_attn="eager",
+        ),
+        predicts={
+            "plain-forward": Prediction(
+                PLAIN_WHERE + rf"(?:{PAGED_FORWARD}|{PLAIN_FORWARDS} raised ValueError: `paged\|eager` {NO_CACHE})",
+                while_the_manager_lives,
+            )
+        },
+    ),
+    FuzzFinding(
+        id="cb-live-manager-breaks-the-callers-forward",
+        engine="transformers-cb",
+        checks=("plain-forward",),
+        when="a plain forward while a manager lives: between the calls of a persistent manager (its loop running "
+        "idle), or inside pause()",
+        applies=_beside_a_live_manager,
+        evidence="while a manager lives the model's attention implementation is 'paged|sdpa' (the caller set sdpa): "
+        "beside the persistent manager between calls, and inside its pause(), the caller's own forward raises "
+        "ValueError: `paged|sdpa` was called without a paged attention cache (the training step's forward too: "
+        "cb-training-forward-fails-while-paused)",
+        repro=FuzzCase(
+            "transformers-cb",
+            "tiny-llama-arith",
+            True,
+            _CB,
+            {"do_sample": False},
+            (Step("call", (FuzzRequest("c0-r", PROMPT, 2, (2,)),)),),
+        ),
+        predicts={
+            "plain-forward": Prediction(
+                PLAIN_WHERE + rf"(?:{PAGED_ATTN}|{PLAIN_FORWARDS} raised ValueError: `paged\|\w+` {NO_CACHE})",
+                while_the_manager_lives,
+            )
+        },
+        affected="transformers 5.18.0; not 5.8.0, 5.10.1, 5.10.4, 5.11.0, 5.12.0, 5.15.1 or 5.24.0 (with sdpa; the "
+        "fuzz's 40 cases per entry point in each venv); 5.16, 5.17 and 5.19 to 5.23 not run",
+        transformers=">=5.18,<5.19",
+    ),
+    FuzzFinding(
+        id="cb-stopped-manager-leaves-the-callers-forward-paged",
+        engine="transformers-cb",
+        checks=("plain-forward",),
+        when="always (a plain forward after any call)",
+        applies=lambda case: True,
+        evidence="after a manager is stopped the model's attention implementation stays 'paged|sdpa' (the caller set "
+        "sdpa; 'paged|eager' for eager: cb-leaves-paged-attention): the caller's next forward runs the paged kernel "
+        "without its cache and differs silently from a model that never had a manager (the repro: loss 1.43609 vs "
+        "4.29e-06, log-probs max |diff| 7.06; the generate_batch fuzz: up to 14.6), and a training step trains on it",
+        repro=_one_call(FuzzRequest("r", PROMPT, 2, (2,))),
+        predicts={"plain-forward": PLAIN_WHERE + PAGED_FORWARD},
+        affected="transformers 5.8.0; not 5.10.1 to 5.24.0 (the fuzz's 40 cases per entry point in the venvs of "
+        "5.8.0, 5.10.1, 5.10.4, 5.11.0, 5.12.0, 5.15.1, 5.18.0, 5.24.0); 5.8.1 and 5.9 not run",
+        transformers="<5.9",
     ),
     FuzzFinding(
         id="cb-drops-min-new-tokens",

@@ -22,9 +22,12 @@ from reference.spec import Rollout
 CHECKS = (
     "engine-crash", "lost-request", "duplicate-result", "foreign-result", "request-failed", "results-order",
     "conventions", "min-new-tokens", "tokens", "logprobs", "state:training-mode", "state:attn-implementation",
-    "state:dtypes", "state:global-rng", "state:generation-config",
+    "state:dtypes", "state:global-rng", "state:generation-config", "plain-forward",
 )  # fmt: skip
 STATE_CHECKS = tuple(c for c in CHECKS if c.startswith("state:"))
+# plain-forward (transformers CB, cbverify.fuzz.drivers.PlainForwards): after each call and inside each step between
+# calls the caller's own forward (loss, per-token log-probs, train/eval mode, attention implementation) equals a twin's
+# that never had a manager
 SPEC_ENGINES = ("cb_impl",)  # engines whose sampled tokens must equal the oracle's
 
 

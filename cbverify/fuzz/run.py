@@ -14,7 +14,7 @@ from cbverify.fuzz.batch_driver import BatchSession
 from cbverify.fuzz.batch_judge import intent, judge_batch_call
 from cbverify.fuzz.case import FuzzCase
 from cbverify.fuzz.coverage import batch_units, manager_units
-from cbverify.fuzz.drivers import Session, snapshot
+from cbverify.fuzz.drivers import PLAIN_CHECK, Session, snapshot
 from cbverify.fuzz.judge import STATE_CHECKS, Failure, judge_call, judge_state
 
 
@@ -91,6 +91,8 @@ def run_case(model, case: FuzzCase, session_factory=None) -> Outcome:
     """Run ``case`` on ``model`` (restored by the caller) and judge it (``session_factory``: the entry's session)."""
     outcome = Outcome(features=features(case))
     model.train(case.caller_training)
+    if case.caller_attn is not None and model.config._attn_implementation != case.caller_attn:
+        model.set_attn_implementation(case.caller_attn)  # the caller's choice (Pristine.restore puts it back)
     torch.rand(1)  # the caller's RNG is mid-stream: a state fresh from manual_seed(s) would hide a reseed with s
     before = snapshot(model)
     batch = case.entry == "generate_batch"
@@ -122,6 +124,9 @@ def run_case(model, case: FuzzCase, session_factory=None) -> Outcome:
         outcome.failures.append(Failure("engine-crash", f"{type(err).__name__}: {err}"[:300]))
     finally:
         session.close()
+    if (plain := getattr(session, "plain", None)) is not None:  # the caller's plain forwards (drivers.PlainForwards)
+        outcome.failures += plain.failures
+        outcome.decisive |= {PLAIN_CHECK} if plain.probes else set()
     outcome.failures += judge_state(before, model, session)
     if case.engine == "transformers-cb":  # the options the calls that ran resolved to (a crash ends the program)
         outcome.units = batch_units(case, wants, ran=len(wants)) if batch else manager_units(case, ran)

@@ -91,14 +91,20 @@ def fuzz_cases(draw, *, engine: str, model: str = "tiny-llama-arith", force: dic
                                     st.sampled_from([None, None, 0.1]))  # fmt: skip
     # one vLLM per case (its start-up is seconds), weights fixed (the adapter has no weight sync), one call at a time
     persistent = engine == "vllm" or (engine != "hf-generate" and draw(st.booleans()))
+    where = force.get("plain_forward")  # where the caller's plain forwards run (cbverify.fuzz.coverage)
+    if where is not None:
+        persistent = where != "no-manager-left"
     # vLLM applies min-p before top-p: the registered vllm-min-p-before-top-p (its script holds that domain)
     top_ps = (None, 1.0) if engine == "vllm" and generation.get("min_p") else (None, 0.8, 1.0)
     steps = []
-    for call in range(draw(st.integers(1, 3))):
+    for call in range(draw(st.integers(2, 3) if where == "inside-pause" else st.integers(1, 3))):
         # a live manager must be paused while the model changes: before 5.18 it cannot be (no pause())
         can_change = engine != "vllm" and (not (persistent and engine == "transformers-cb") or compat.CAN_PAUSE)
         if call and can_change:
-            between = draw(st.sampled_from(["none", "none", "train", "update_weights"]))
+            changes = ["train", "update_weights"]
+            between = draw(
+                st.sampled_from(changes if where == "inside-pause" and call == 1 else ["none", "none", *changes])
+            )
             if between != "none":
                 steps.append(Step(between, seed=draw(st.integers(0, 2**16))))
         reqs = draw(fuzz_request_groups(call=call, sampled=sampled, per_request=per_request, top_ps=top_ps,
@@ -132,7 +138,16 @@ def fuzz_cases(draw, *, engine: str, model: str = "tiny-llama-arith", force: dic
         config = dict(max_batch_size=draw(st.sampled_from([None, 1, 2])), seed=draw(st.integers(0, 2**31 - 1)))
     else:
         raise ValueError(f"no fuzz cases for engine {engine!r}")
-    return FuzzCase(engine, model, persistent, config, generation, tuple(steps), caller_training=draw(st.booleans()))
+    attn = _caller_attn(draw, force) if engine == "transformers-cb" else None
+    return FuzzCase(engine, model, persistent, config, generation, tuple(steps), caller_training=draw(st.booleans()),
+                    caller_attn=attn)  # fmt: skip
+
+
+def _caller_attn(draw, force: dict) -> str | None:
+    """The attention implementation the caller set before handing the model over: the checkpoint's as loaded (sdpa
+    for the bundled ones), or eager (which transformers CB swaps for its paged eager kernel while a manager lives)."""
+    return _pick(draw, force, "caller_attention", {"as-loaded": st.none(), "eager": st.just("eager")},
+                 st.sampled_from([None, None, "eager"]))  # fmt: skip
 
 
 def _batch_tokens(draw, force: dict) -> int:
@@ -267,12 +282,18 @@ def batch_cases(draw, *, model: str = "tiny-llama-arith", force: dict | None = N
     moved = draw(st.sampled_from([None] * 5 + list(BATCH_KWARG_FIELDS)))  # passed as a keyword by every call
     persistent = "persistent_manager" in compat.BATCH_PARAMETERS and _pick(
         draw, force, "persistent_manager", {"true": st.just(True), "false": st.just(False)}, st.booleans())
+    where = force.get("plain_forward")  # where the caller's plain forwards run (cbverify.fuzz.coverage)
+    if where is not None:
+        persistent = where != "no-manager-left" and "persistent_manager" in compat.BATCH_PARAMETERS
+    in_pause = where == "inside-pause" and persistent and compat.CAN_PAUSE
     steps, earlier, first = [], [], None
-    for call in range(draw(st.integers(1, 3))):
+    for call in range(draw(st.integers(2, 3) if in_pause else st.integers(1, 3))):
         if call:
-            between = draw(st.sampled_from(["none", "train", "update_weights"]))
+            forced = in_pause and call == 1
+            between = draw(st.sampled_from(["train", "update_weights"] if forced else ["none", "train",
+                                                                                      "update_weights"]))  # fmt: skip
             if between != "none":
-                paused = persistent and compat.CAN_PAUSE and draw(st.booleans())
+                paused = forced or (persistent and compat.CAN_PAUSE and draw(st.booleans()))
                 steps.append(Step(between, seed=draw(st.integers(0, 2**16)), paused=paused))
         own = draw(batch_generation()) if call and persistent and draw(st.integers(0, 5)) == 0 else None
         config = dict(generation if own is None else own)
@@ -299,4 +320,5 @@ def batch_cases(draw, *, model: str = "tiny-llama-arith", force: dict | None = N
         config["seed"] = draw(st.integers(0, 2**31 - 1))
     config = {k: v for k, v in config.items() if v is not None}
     return FuzzCase("transformers-cb", model, persistent, config, generation, tuple(steps),
-                    caller_training=draw(st.booleans()), entry="generate_batch")  # fmt: skip
+                    caller_training=draw(st.booleans()), entry="generate_batch",
+                    caller_attn=_caller_attn(draw, force))  # fmt: skip
