@@ -39,11 +39,12 @@ TEMPLATES = {("transformers-cb", "manager"): TEMPLATE, ("transformers-cb", "gene
              ("cb_impl", "manager"): CB_IMPL_TEMPLATE}  # fmt: skip
 MODEL_TEMPLATE = Path(__file__).with_name("repro_model_template.py.txt")  # the model built in transformers-cb scripts
 # The seeded weights of every transformers-cb script. Random weights at transformers' 0.02 leave near-uniform logits
-# (greedy near-ties); at 0.14 (golden/build_models' QWEN2_INIT_STD) they are decisive. The seed is one whose greedy
-# completions on tiny-llama-arith's architecture show the registered findings that depend on what the model says
-# (an EOS inside the first positions of the prompts their repros ask: cb-drops-min-new-tokens, cb-drops-min-length,
-# cb-unset-eos-disables-eos, cb-persistent-manager-keeps-the-first-generation-config) with every greedy step's top-2
-# gap above 0.1; property_tests/test_fuzz_repros.py runs every finding's script.
+# (greedy near-ties); at 0.14 (golden/build_models' QWEN2_INIT_STD) they are decisive. Two registered findings need the
+# model to say EOS (2) within 8 greedy tokens of their repro's prompt (cb-unset-eos-disables-eos,
+# cb-persistent-manager-keeps-the-first-generation-config: seeds 0 and 1 do not, and their scripts exit 0); 184 does,
+# and also says the EOS cb-drops-min-new-tokens and cb-drops-min-length hold back (their log-prob checks fail with any
+# seed), every greedy step on those prompts with a top-2 gap above 0.1. property_tests/test_fuzz_repros.py runs every
+# finding's script.
 WEIGHT_SEED, WEIGHT_STD = 184, 0.14
 
 
