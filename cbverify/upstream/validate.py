@@ -120,14 +120,12 @@ def findings_with_scripts(work: Path) -> Iterable[tuple[object, str, Path | None
         if finding.id in seen:
             continue
         seen.add(finding.id)
-        made = getattr(repro, "standalone_script", None)
+        made = getattr(repro, "standalone_script", None)  # all of its checks; else the template for its first
+        script = work / f"{finding.id}.py"
         try:
-            if made is not None:
-                script = Path(made(finding, work))
-            else:
-                script = work / f"{finding.id}.py"
-                script.write_text(repro.script_text(finding.repro, finding.checks[0], finding.evidence))
-        except (ValueError, TypeError) as err:
+            text = made(finding) if made else repro.script_text(finding.repro, finding.checks[0], finding.evidence)
+            script.write_text(text)
+        except ValueError as err:
             yield finding, "fuzz", None, f"no standalone repro: {err}"
             continue
         yield finding, "fuzz", script, ""
@@ -297,7 +295,10 @@ class Item:
 
     @property
     def category(self) -> str:
-        return classify(self.release.verdict, self.checkout.verdict)
+        """:func:`classify`'s category; a finding passing (or not run) on both sides is not applicable, not merely
+        unchanged: its repro had nothing to show on either (e.g. a release outside its range)."""
+        category = classify(self.release.verdict, self.checkout.verdict)
+        return NA if category == UNCHANGED and self.kind == "finding" else category
 
 
 def check_verdict(row: dict) -> str:
