@@ -120,6 +120,7 @@ def synthetic(tmp_path, monkeypatch):
     (tmp_path / "checks.py").write_text(CHECKS)
     monkeypatch.setattr(v, "CHECKS_COMMAND", [str(tmp_path / "checks.py")])
     monkeypatch.setattr(data, "workdir", lambda name: tmp_path / "work" / name)
+    monkeypatch.setenv("PYTHONPATH", str(release))  # the caller's PYTHONPATH has the release: the checkout goes first
     return SimpleNamespace(venv=venv, checkout=checkout, tmp=tmp_path)
 
 

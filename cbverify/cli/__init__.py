@@ -25,6 +25,7 @@ SUBCOMMANDS = {
     "upstream": ("cbverify.cli.upstream", "TRL / transformers integration checks and the findings registry"),
     "matrix": ("cbverify.cli.matrix", "run the upstream checks across several transformers/trl versions"),
     "bisect": ("cbverify.cli.bisect", "where a finding came in: over releases, or over a local checkout's commits"),
+    "report": ("cbverify.cli.report", "one finding's upstream issue in Markdown: its repro run, a regression test"),
     "validate": ("cbverify.cli.validate", "a transformers/trl checkout against a release: fixed, still present, new"),
     "zoo": ("cbverify.cli.zoo", "every engine on tiny checkpoints of many architectures; the coverage table"),
     "fuzz": ("cbverify.cli.fuzz", "Hypothesis search over one engine's configurations and call patterns"),

@@ -89,7 +89,7 @@ class Finding:
     data_dependent: bool = False  # shows for some data only: a PASS elsewhere is no sign of a fix (the repro is)
     transformers: str = ""  # PEP 440 specifier of the transformers versions it shows on ("" = every version seen)
     trl: str = ""  # PEP 440 specifier of the trl versions it shows on ("" = every version seen)
-    script: str = ""  # a standalone repro in cbverify/upstream/repros/ (torch, transformers, trl, datasets): exits 1
+    script: str = ""  # its standalone repro in cbverify/upstream/repros/ (torch, transformers, trl, datasets): exits 1
     step_checks: bool = False  # found by the optimizer-step checks (cbverify.upstream.steps), its repro run by them
     predicts: dict[str, Prediction] = field(default_factory=dict)  # per check in ``checks``: the failure it excuses
 
@@ -160,6 +160,7 @@ FINDINGS: tuple[Finding, ...] = (
         repro=TrainerScenario(path="cb", bf16=True),
         architectures=("llama",),
         repro_model="tiny-llama-arith",
+        script="cb_bf16_generation_crashes.py",
         predicts={
             "run_completes": Prediction(r"trainer raised IndexError: list index out of range"),
             "mixed_precision_completes": Prediction(r"bf16 run raised IndexError: list index out of range"),
@@ -178,6 +179,7 @@ FINDINGS: tuple[Finding, ...] = (
         "and never casts back: all trained parameters float32 -> bfloat16 (the optimizer then updates bf16 "
         "weights); the probe forward after generation differs (max |diff| ~6e-3 on a random tiny Llama)",
         repro=TrainerScenario(path="cb", bf16=True),
+        script="cb_bf16_casts_training_weights.py",
         predicts={
             "generation_keeps_params": Prediction(
                 r"dtype torch\.float32->torch\.bfloat16, device (\S+)->\1, same object True"
@@ -195,6 +197,7 @@ FINDINGS: tuple[Finding, ...] = (
         evidence="GRPOTrainer._generate_single_turn calls unwrapped_model.train() after generate_batch whatever the "
         "mode was: generation during evaluate() leaves the model in train mode",
         repro=TrainerScenario(path="cb", evaluate=True),
+        script="cb_forces_train_mode.py",
         predicts={"generation_keeps_mode": Prediction(r"in eval mode: model\.training False -> True")},
     ),
     Finding(
@@ -210,6 +213,7 @@ FINDINGS: tuple[Finding, ...] = (
         "dapo/cispo normaliser by current_gradient_accumulation_steps, an attribute only the training loop sets: "
         "AttributeError: no attribute 'current_gradient_accumulation_steps' (1.7 and 1.8 finish evaluate())",
         repro=TrainerScenario(path="cb", evaluate=True),
+        script="cb_train_mode_crashes_evaluate.py",
         predicts={
             "run_completes": Prediction(r"AttributeError: .*no attribute 'current_gradient_accumulation_steps'")
         },
@@ -227,6 +231,7 @@ FINDINGS: tuple[Finding, ...] = (
         "on every generate_batch (with the config's seed, or one drawn from the global RNG): greedy generation, "
         "which samples nothing, still replaces the global torch RNG state",
         repro=TrainerScenario(path="cb", greedy=True, loss_type="grpo", gradient_accumulation_steps=2),
+        script="cb_reseeds_global_rng.py",
         predicts={"generation_keeps_rng": Prediction(r"global torch RNG state changed")},
     ),
     Finding(
@@ -240,6 +245,7 @@ FINDINGS: tuple[Finding, ...] = (
         "GRPOTrainer._generate_single_turn sets logprobs = None on the CB path: no sampling_per_token_logps ever "
         "reaches the trainer",
         repro=TrainerScenario(path="cb", top_k=3, is_correction=True, cb_return_logprobs=True),
+        script="cb_discards_sampler_logprobs.py",
         predicts={
             "sampler_logprobs_reach_trainer": Prediction(r"log-probs for \d+ rows; the trainer received logprobs=None")
         },
@@ -255,6 +261,7 @@ FINDINGS: tuple[Finding, ...] = (
         "_compute_loss: with generate(), CB or a rollout_func that returns log-probs, no importance_sampling_ratio "
         "is computed or applied and nothing warns",
         repro=TrainerScenario(path="rollout_func", top_k=3, is_correction=True, rollout_backend="reference"),
+        script="is_correction_silently_off_without_vllm.py",
         predicts={
             "is_correction_applied": Prediction(r"but (\d+)/\1 loss call\(s\) got no importance_sampling_ratio")
         },
@@ -284,6 +291,7 @@ FINDINGS: tuple[Finding, ...] = (
             max_completion_length=8,
         ),
         repro_model="tiny-llama-arith",
+        script="vllm_colocate_samples_a_float32_policy_in_bf16.py",
         predicts={
             "sampler_logprob_semantics": Prediction(r"neither: max \|diff\| processed", bf16_logprobs),
             "is_weights_match_reference": Prediction(r"weight at .* is \S+, the reference's"),
@@ -304,6 +312,7 @@ FINDINGS: tuple[Finding, ...] = (
         "(supports_continuous_batching=False, drop_unsupported_processors=True) with only a logger warning: "
         "greedy CB tokens are the argmax of the unpenalised logits",
         repro=TrainerScenario(path="cb", greedy=True, repetition_penalty=1.5),
+        script="cb_drops_repetition_penalty.py",
         predicts={
             "sampled_tokens_within_processed_support": Prediction(
                 r"token is not the argmax of the repetition_penalty=\S+ logits"
@@ -322,6 +331,7 @@ FINDINGS: tuple[Finding, ...] = (
         "(same sign for the whole group); the float64 reference gives 0",
         repro=TrainerScenario(path="generate", num_generations=3, reward="constant"),
         data_dependent=True,
+        script="float32_group_mean_gives_zero_variance_groups_an_advantage.py",
         predicts={
             "zero_variance_groups_get_zero_advantage": Prediction(r"zero-variance group", float32_mean_rounding)
         },
@@ -390,6 +400,7 @@ FINDINGS: tuple[Finding, ...] = (
         repro_model="tiny-llama-arith",
         data_dependent=True,  # ranks with equal token counts log the right value anyway: a PASS there fixes nothing
         trl="<1.9",
+        script="logged_entropy_is_a_mean_of_rank_means.py",
         predicts={
             "ranks_log_what_one_process_logs": Prediction(
                 r"log \d+: entropy = \S+ on \d+ processes", mean_of_rank_means
@@ -429,6 +440,7 @@ FINDINGS: tuple[Finding, ...] = (
         repro_model="tiny-llama-arith",
         trl="<1.0",
         step_checks=True,
+        script="logged_reward_ignores_reward_weights.py",
         predicts={
             "logged_rewards_match_reference": Prediction(
                 r"logged reward(_std)? = \S+, reference", unweighted_logged_reward
@@ -512,6 +524,7 @@ FINDINGS: tuple[Finding, ...] = (
         "training forward then differs (probe max |diff| 18.4) and the trainer's per-token log-probs are off the "
         "reference by up to 0.79 (fp32), i.e. the policy gradient is computed with the wrong attention",
         repro=TrainerScenario(path="cb", greedy=True, loss_type="grpo", gradient_accumulation_steps=2),
+        script="cb_leaves_paged_attention_for_training.py",
         predicts={
             "generation_keeps_attn_and_config": Prediction(r"attn (\S+) -> paged\|\1"),
             "generation_keeps_forward": Prediction(r"probe forward after generation differs"),

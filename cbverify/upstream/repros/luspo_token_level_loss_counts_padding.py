@@ -6,47 +6,79 @@
 the gradient ``-A * length / (B * T)`` instead of ``-A / B`` on real tokens and 0 on padding. 1.10 masks first.
 
 Here TRL's own ``_compute_loss`` runs on a two-row batch (lengths 4 and 2, advantages +1 and -1, on-policy) with the
-log-prob forward replaced by a tensor we differentiate. Standalone: imports only torch, transformers, trl and
-datasets; the model is the repository's bundled tiny Llama, read from disk. Exits 1 while the behaviour is there.
+log-prob forward replaced by a tensor we differentiate. Standalone: imports only torch, transformers, trl, datasets
+and the standard library; the model (a 2-layer Llama with seeded random weights) and its character tokenizer are
+built here. Observed: dloss/dlogps. Exits 1 while the behaviour is there, 0 once it is gone, 2 on an unexpected error.
 """
 
 import inspect
+import json
+import os
 import sys
 import tempfile
-from pathlib import Path
+import traceback
 
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from trl import GRPOConfig, GRPOTrainer
 
-_HERE = Path(__file__).resolve()  # a checkout's golden/models, or an installed cbverify's reference/_models
-_MODELS = (_HERE.parents[3] / "golden" / "models", _HERE.parents[2] / "reference" / "_models")
-MODEL = next((m for m in _MODELS if m.is_dir()), _MODELS[0]) / "tiny-llama-arith"
+_TMP = tempfile.TemporaryDirectory(prefix="repro-")  # removed when the script exits
 
-_OUT = tempfile.TemporaryDirectory(prefix="cbverify-repro-")  # removed when the script exits
-args = GRPOConfig(
-    output_dir=_OUT.name, report_to="none", use_cpu=True, per_device_train_batch_size=2, num_generations=2,
-    max_completion_length=4, save_strategy="no", logging_strategy="no", loss_type="luspo",
-)  # fmt: skip
-trainer = GRPOTrainer(
-    model=AutoModelForCausalLM.from_pretrained(MODEL), reward_funcs=lambda completions, **_: [0.0] * len(completions),
-    args=args, train_dataset=Dataset.from_list([{"prompt": "Q:1+2\n"}] * 2),
-    processing_class=AutoTokenizer.from_pretrained(MODEL),
-)  # fmt: skip
-trainer.current_gradient_accumulation_steps = 1  # set by the training loop, which does not run here
-trainer.model.train()
 
-mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
-advantages = torch.tensor([1.0, -1.0])
-logps = torch.zeros(2, 4, requires_grad=True)
-with_aux = "compute_aux_loss" in inspect.signature(trainer._get_per_token_logps_and_entropies).parameters  # 1.7+
-forward = (logps, torch.zeros(2, 4), None) if with_aux else (logps, torch.zeros(2, 4))
-trainer._get_per_token_logps_and_entropies = lambda *a, **k: forward
-inputs = {"prompt_ids": torch.ones(2, 1, dtype=torch.long), "prompt_mask": torch.ones(2, 1, dtype=torch.long),
-          "completion_ids": torch.ones(2, 4, dtype=torch.long), "completion_mask": mask, "advantages": advantages,
-          "num_items_in_batch": mask.sum()}  # fmt: skip
-trainer._compute_loss(trainer.model, inputs).backward()
-expected = -advantages[:, None] / 2 * mask  # d/dlogp of mean over rows of (sum over real tokens of -A * ratio)
-print(f"dloss/dlogps {logps.grad.tolist()}; expected {expected.tolist()}")
-sys.exit(0 if torch.allclose(logps.grad, expected) else 1)
+def tiny_model(folder, config_class=LlamaConfig, model_class=LlamaForCausalLM):
+    """A 2-layer causal LM (Llama unless told) with seeded random weights, and a character tokenizer over digits,
+    '+', 'Q', ':' and newline written to ``folder``/tokenizer.json."""
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2} | {c: i + 3 for i, c in enumerate("0123456789+Q:\n")}
+    special = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+                "special": True} for t, i in list(vocab.items())[:3]]  # fmt: skip
+    spec = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": special, "normalizer": None,
+            "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "[\\s\\S]"}, "behavior": "Isolated",
+                              "invert": False},
+            "post_processor": None, "decoder": {"type": "Fuse"},
+            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<pad>"}}  # fmt: skip
+    with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+        json.dump(spec, f)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=os.path.join(folder, "tokenizer.json"), bos_token="<bos>",
+                                        eos_token="<eos>", pad_token="<pad>", padding_side="left",
+                                        model_input_names=["input_ids", "attention_mask"])  # fmt: skip
+    config = config_class(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1,
+                          eos_token_id=2, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    return model_class(config), tokenizer
+
+
+def main() -> int:
+    model, tokenizer = tiny_model(_TMP.name)
+    args = GRPOConfig(
+        output_dir=_TMP.name, report_to="none", use_cpu=True, per_device_train_batch_size=2, num_generations=2,
+        max_completion_length=4, save_strategy="no", logging_strategy="no", loss_type="luspo",
+    )  # fmt: skip
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
+                          train_dataset=Dataset.from_list([{"prompt": "Q:1+2\n"}] * 2),
+                          processing_class=tokenizer)  # fmt: skip
+    trainer.current_gradient_accumulation_steps = 1  # set by the training loop, which does not run here
+    trainer.model.train()
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    advantages = torch.tensor([1.0, -1.0])
+    logps = torch.zeros(2, 4, requires_grad=True)
+    with_aux = "compute_aux_loss" in inspect.signature(trainer._get_per_token_logps_and_entropies).parameters  # 1.7+
+    forward = (logps, torch.zeros(2, 4), None) if with_aux else (logps, torch.zeros(2, 4))
+    trainer._get_per_token_logps_and_entropies = lambda *a, **k: forward
+    inputs = {"prompt_ids": torch.ones(2, 1, dtype=torch.long), "prompt_mask": torch.ones(2, 1, dtype=torch.long),
+              "completion_ids": torch.ones(2, 4, dtype=torch.long), "completion_mask": mask, "advantages": advantages,
+              "num_items_in_batch": mask.sum()}  # fmt: skip
+    trainer._compute_loss(trainer.model, inputs).backward()
+    expected = -advantages[:, None] / 2 * mask  # d/dlogp of the mean over rows of (sum over real tokens of -A * ratio)
+    print(f"expected: dloss/dlogps {expected.tolist()}")
+    print(f"observed: dloss/dlogps {logps.grad.tolist()}")
+    return 0 if torch.allclose(logps.grad, expected) else 1
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except Exception:  # an unexpected error is not the behaviour: exit 2 (Python's own exit code would be 1)
+        traceback.print_exc()
+        sys.exit(2)

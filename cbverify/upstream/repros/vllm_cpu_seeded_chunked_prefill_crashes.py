@@ -7,29 +7,55 @@ of CUDA's Philox generator; a CPU ``torch.Generator`` raises ``RuntimeError: CPU
 GRPO batch with per-request seeds whose prompts exceed ``max_num_batched_tokens`` (chunked prefill is on by default)
 hits it: in ``cbverify bench`` at 64 generations of 2 prompts, and the next ``generate`` on the same ``LLM`` hung.
 
-Standalone: imports only vLLM (and torch); the model is the repository's bundled tiny Llama, read from disk. Run it
-in the vLLM environment (``.engine-envs/vllm/bin/python <this file>``). Exits 1 while the crash is there, 0 once a
-chunked, seeded request completes.
+Standalone: imports only vLLM, torch, transformers and the standard library; the model (a 4-layer Llama with seeded
+random weights) is written here to a temporary folder. Run it in the vLLM environment (``.engine-envs/vllm/bin/python
+<this file>``). Observed: what a seeded request with a 31-token prompt, prefilled in chunks of 16, raises. Exits 1
+while the crash is there, 0 once a chunked, seeded request completes, 2 on an unexpected error.
 """
 
 import os
 import sys
-from pathlib import Path
+import tempfile
+import traceback
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+import torch  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
-_HERE = Path(__file__).resolve()  # a checkout's golden/models, or an installed cbverify's reference/_models
-_MODELS = (_HERE.parents[3] / "golden" / "models", _HERE.parents[2] / "reference" / "_models")
-MODEL = next((m for m in _MODELS if m.is_dir()), _MODELS[0]) / "tiny-llama-arith"
+_TMP = tempfile.TemporaryDirectory(prefix="repro-")  # removed when the script exits
 
-llm = LLM(model=str(MODEL), dtype="float32", gpu_memory_utilization=0.1, enforce_eager=True, skip_tokenizer_init=True,
-          max_num_batched_tokens=16, max_num_seqs=16, enable_chunked_prefill=True)  # fmt: skip
-prompt = TokensPrompt(prompt_token_ids=[1] + [6, 5, 16, 7, 5, 3] * 5)  # 31 tokens: two chunks of at most 16
-try:
-    llm.generate([prompt], SamplingParams(temperature=1.0, seed=1, max_tokens=4), use_tqdm=False)
-except RuntimeError as err:
-    print(f"a seeded request with a chunked prefill raised RuntimeError: {err}")
-    sys.exit(1)
-print("a seeded request with a chunked prefill completed")
+
+def tiny_llama_folder(folder, initializer_range=0.02):
+    """A 4-layer Llama (head_dim 32, a 32-token vocabulary: 0 pad, 1 bos, 2 eos) with seeded random weights, saved to
+    ``folder`` for vLLM to load."""
+    config = LlamaConfig(vocab_size=32, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=0, initializer_range=initializer_range)  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def main() -> int:
+    llm = LLM(model=tiny_llama_folder(_TMP.name), dtype="float32", gpu_memory_utilization=0.1, enforce_eager=True,
+              skip_tokenizer_init=True, max_num_batched_tokens=16, max_num_seqs=16,
+              enable_chunked_prefill=True)  # fmt: skip
+    prompt = TokensPrompt(prompt_token_ids=[1] + [6, 5, 16, 7, 5, 3] * 5)  # 31 tokens: two chunks of at most 16
+    try:
+        error = None
+        llm.generate([prompt], SamplingParams(temperature=1.0, seed=1, max_tokens=4), use_tqdm=False)
+    except RuntimeError as err:
+        error = err
+    print("expected: a seeded request with a chunked prefill completes")
+    print(f"observed: {f'the request raised RuntimeError: {error}' if error else 'the request completed'}")
+    return 1 if error is not None and "offset" in str(error) else 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except Exception:  # an unexpected error is not the behaviour: exit 2 (Python's own exit code would be 1)
+        traceback.print_exc()
+        sys.exit(2)

@@ -6,17 +6,28 @@ there is no ``vllm`` distribution and the CLI dies with ``PackageNotFoundError: 
 vllm`` before serving anything. ``import vllm`` and the offline ``LLM`` work (``vllm.__version__`` is 0.32.0). So on
 CPU neither TRL vLLM mode trains: server mode cannot start, colocate crashes (vllm-colocate-weight-sync-crashes).
 
-Standalone: runs vLLM's CLI in a subprocess of this interpreter. Run it in the vLLM environment
-(``.engine-envs/vllm/bin/python <this file>``). Exits 1 while the CLI cannot find its own version, 0 once
-``vllm --version`` works.
+Standalone: runs vLLM's CLI in a subprocess of this interpreter (the standard library only). Run it in the vLLM
+environment (``.engine-envs/vllm/bin/python <this file>``). Observed: what ``vllm --version`` prints. Exits 1 while
+the CLI cannot find its own version, 0 once ``vllm --version`` works, 2 on an unexpected error.
 """
 
 import subprocess
 import sys
+import traceback
 
-proc = subprocess.run([sys.executable, "-m", "vllm.entrypoints.cli.main", "--version"], capture_output=True, text=True,
-                      timeout=300)  # fmt: skip
-if "PackageNotFoundError" in proc.stderr:
-    print("vLLM's CLI (vllm serve, trl vllm-serve) dies: " + proc.stderr.strip().splitlines()[-1])
-    sys.exit(1)
-print(f"vLLM's CLI runs: {proc.stdout.strip() or proc.stderr.strip().splitlines()[-1]}")
+
+def main() -> int:
+    proc = subprocess.run([sys.executable, "-m", "vllm.entrypoints.cli.main", "--version"], capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    last = (proc.stderr.strip() or proc.stdout.strip() or "(nothing)").splitlines()[-1]
+    print("expected: vLLM's CLI (vllm serve, trl vllm-serve) starts and prints its version")
+    print(f"observed: exit {proc.returncode}: {proc.stdout.strip() if proc.returncode == 0 else last}")
+    return 1 if "PackageNotFoundError" in proc.stderr else 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except Exception:  # an unexpected error is not the behaviour: exit 2 (Python's own exit code would be 1)
+        traceback.print_exc()
+        sys.exit(2)

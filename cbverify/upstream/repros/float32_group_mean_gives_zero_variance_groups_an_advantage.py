@@ -1,0 +1,74 @@
+"""Finding ``float32-group-mean-gives-zero-variance-groups-an-advantage`` (every trl release seen): a group whose
+rewards are all equal gets a nonzero advantage.
+
+GRPO's advantage is ``(reward - group mean) / (group std + 1e-4)``: a group of equal rewards carries no signal and
+its advantages are 0 (TRL's documentation and the paper). ``_generate_and_score_completions`` computes the group
+mean in float32, where the mean of three rewards of 5/7 is not 5/7: ``reward - mean`` is 5.96e-8, divided by
+``std + 1e-4`` (the std is 0) that gives every member the same advantage 5.96e-4, so the group is pushed one way.
+
+Standalone: imports only torch, transformers, trl, datasets and the standard library; the model (a 2-layer Llama
+with seeded random weights) and its character tokenizer are built here. Observed: the advantages of two groups of
+three completions, every reward 5/7. Exits 1 while the behaviour is there, 0 once they are all 0, 2 on an unexpected
+error.
+"""
+
+import json
+import os
+import sys
+import tempfile
+import traceback
+
+import torch
+from datasets import Dataset
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from trl import GRPOConfig, GRPOTrainer
+
+_TMP = tempfile.TemporaryDirectory(prefix="repro-")  # removed when the script exits
+
+
+def tiny_model(folder, config_class=LlamaConfig, model_class=LlamaForCausalLM):
+    """A 2-layer causal LM (Llama unless told) with seeded random weights, and a character tokenizer over digits,
+    '+', 'Q', ':' and newline written to ``folder``/tokenizer.json."""
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2} | {c: i + 3 for i, c in enumerate("0123456789+Q:\n")}
+    special = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+                "special": True} for t, i in list(vocab.items())[:3]]  # fmt: skip
+    spec = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": special, "normalizer": None,
+            "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "[\\s\\S]"}, "behavior": "Isolated",
+                              "invert": False},
+            "post_processor": None, "decoder": {"type": "Fuse"},
+            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<pad>"}}  # fmt: skip
+    with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+        json.dump(spec, f)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=os.path.join(folder, "tokenizer.json"), bos_token="<bos>",
+                                        eos_token="<eos>", pad_token="<pad>", padding_side="left",
+                                        model_input_names=["input_ids", "attention_mask"])  # fmt: skip
+    config = config_class(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1,
+                          eos_token_id=2, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    return model_class(config), tokenizer
+
+
+def main() -> int:
+    model, tokenizer = tiny_model(_TMP.name)
+    args = GRPOConfig(
+        output_dir=_TMP.name, report_to="none", use_cpu=True, per_device_train_batch_size=6, num_generations=3,
+        max_completion_length=4, save_strategy="no", logging_strategy="no", disable_tqdm=True,
+    )  # fmt: skip
+    prompts = [{"prompt": "Q:1+2\n"}, {"prompt": "Q:3+4\n"}]
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [5 / 7] * len(completions), args=args,
+                          train_dataset=Dataset.from_list(prompts), processing_class=tokenizer)  # fmt: skip
+    trainer.model.train()
+    # generation and scoring of one batch, as the training loop calls it (each prompt once per generation); no loss
+    advantages = trainer._generate_and_score_completions([row for row in prompts for _ in range(3)])["advantages"]
+    print("expected: advantages [0.0, 0.0, 0.0, 0.0, 0.0, 0.0] (every reward of each group is 5/7)")
+    print(f"observed: advantages {advantages.tolist()}")
+    return 1 if bool((advantages != 0).any()) else 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except Exception:  # an unexpected error is not the behaviour: exit 2 (Python's own exit code would be 1)
+        traceback.print_exc()
+        sys.exit(2)
