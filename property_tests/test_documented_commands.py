@@ -177,6 +177,13 @@ def _prints(*needles: str):
     return check
 
 
+def _reported_behaviour(tmp: Path, stdout: str, stderr: str) -> None:
+    """``cbverify report``'s Markdown: the repro's run pasted, exit 1 (the finding holds on the pinned stack)."""
+    text = (tmp / "report.md").read_text()
+    assert "## Expected vs observed (from running the repro)" in text and "exit code **1**" in text, text[:2000]
+    assert "observed: the scored batch holds" in text and "class TestGRPOTrainer(TrlTestCase):" in text
+
+
 def _version(tmp: Path, out: str, err: str) -> None:
     import cbverify
 
@@ -404,6 +411,17 @@ COMMANDS: dict[str, tuple[Here | Elsewhere | Recipe | Check, ...]] = {
                   "1.8.0 {tmp}/trl --fuzz 2 --jobs 2"),
     ),
     "cbverify bisect": (Here("cbverify bisect --help", 0, "argparse's --help exits 0"),),
+    "cbverify report": (Here("cbverify report --help", 0, "argparse's --help exits 0"),),
+    "cbverify report cb-discards-sampler-logprobs --out report.md": (
+        Here("cbverify report cb-discards-sampler-logprobs --out {tmp}/report.md", 0,
+             "the report is written whatever the repro says (it runs the repro: ~15 s)", "slow",
+             check=_reported_behaviour),
+    ),  # fmt: skip
+    "cbverify report luspo-token-level-loss-counts-padding --no-run": (
+        Elsewhere("property_tests/test_issue_report.py::test_the_cli_writes_the_report_and_refuses_bad_input",
+                  "--no-run writes the report without running the repro (the test writes one in-process)",
+                  parse="cbverify report luspo-token-level-loss-counts-padding --no-run"),
+    ),  # fmt: skip
     "cbverify bisect luspo-token-level-loss-counts-padding --trl 1.0..1.16 --record": (
         Here("cbverify bisect luspo-token-level-loss-counts-padding --trl 1.9..1.10", 0,
              "a narrower range of the same search, real venvs: the fix between the two releases, the typed range "
@@ -417,6 +435,17 @@ COMMANDS: dict[str, tuple[Here | Elsewhere | Recipe | Check, ...]] = {
                   "skipping_one_that_errs", "needs a TRL checkout: git bisect run over a synthetic one built by the "
                   "test", parse="cbverify bisect dapo-normaliser-is-not-the-accumulated-batch --trl-src {tmp} "
                   "--good v1.0.0 --bad main"),
+    ),
+    "cbverify validate": (Here("cbverify validate --help", 0, "argparse's --help exits 0"),),
+    "cbverify validate --trl ~/src/trl --json validate.json": (
+        Elsewhere("property_tests/test_validate.py::test_the_command_lists_fixed_still_and_newly_failing_and_exits_1",
+                  "needs a TRL checkout and its release's venv: the whole command on a synthetic trl built by the test",
+                  parse="cbverify validate --trl {tmp} --json {tmp}/validate.json"),
+    ),
+    "cbverify validate --trl /tmp/trl-1.9.2-patched --against 1.9.2 --no-checks": (
+        Elsewhere("property_tests/test_validate.py::test_trl_1_9_2_with_the_luspo_fix_applied_by_hand_lists_the_"
+                  "finding_as_fixed", "builds the patched tree from trl 1.9.2's venv; every trl repro twice (minutes)",
+                  "slow", parse="cbverify validate --trl {tmp} --against 1.9.2 --no-checks"),
     ),
     "cbverify upstream --run": (
         Here("cbverify upstream --run --quiet", 0, "an unregistered FAIL or a FIXED? exits 1 (every path, minutes)",
