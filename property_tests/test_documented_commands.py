@@ -439,7 +439,7 @@ COMMANDS: dict[str, tuple[Here | Elsewhere | Recipe | Check, ...]] = {
     "cbverify validate": (Here("cbverify validate --help", 0, "argparse's --help exits 0"),),
     "cbverify validate --trl ~/src/trl --json validate.json": (
         Elsewhere("property_tests/test_validate.py::test_the_command_lists_fixed_still_and_newly_failing_and_exits_1",
-                  "needs a TRL checkout and its release's venv: the whole command on a synthetic trl built by the test",
+                  "a TRL checkout and its release's venv: the whole command on a synthetic trl built by the test",
                   parse="cbverify validate --trl {tmp} --json {tmp}/validate.json"),
     ),
     "cbverify validate --trl /tmp/trl-1.9.2-patched --against 1.9.2 --no-checks": (
