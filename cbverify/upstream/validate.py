@@ -116,6 +116,7 @@ def findings_with_scripts(work: Path) -> Iterable[tuple[object, str, Path | None
     for finding in ENV_FINDINGS:
         yield finding, "env", None, f"its repro runs in the {finding.env} environment only (make test-{finding.env})"
     seen = set()
+    work.mkdir(parents=True, exist_ok=True)
     for finding in (*FUZZ_FINDINGS, *BATCH_FINDINGS):
         if finding.id in seen:
             continue
