@@ -65,6 +65,7 @@ def completions_aligned(scenario: TrainerScenario, capture: Capture, eos_ids: tu
     """Count, order, prompt ids and the EOS convention of what reached the trainer, and the scored batch's rows."""
     check = "completions_aligned"
     problems: list[str] = []
+    bos_dropped = 0  # rows whose prompt ids are the expected ones without their leading BOS (a model reads it)
     for g, record in enumerate(capture.generations):
         if record.completion_ids is None:
             problems.append(f"generation {g} returned nothing ({_err(record.error) if record.error else '?'})")
@@ -86,6 +87,7 @@ def completions_aligned(scenario: TrainerScenario, capture: Capture, eos_ids: tu
             expected = [tasks.BOS_ID, *tasks.encode(prompt)]
             if ids != expected:
                 problems.append(f"row {i}: prompt ids {ids} != {expected} for {prompt!r}")
+                bos_dropped += ids == expected[1:]
             if not completion:
                 problems.append(f"row {i}: empty completion")
             if len(completion) > scenario.max_completion_length:
@@ -109,7 +111,8 @@ def completions_aligned(scenario: TrainerScenario, capture: Capture, eos_ids: tu
         if rows != record.completion_ids:
             problems.append(f"scored batch {s}: completion rows differ from what generation returned")
     if problems:
-        return [_result(check, scenario, FAIL, f"{len(problems)} problem(s); first: {problems[0]}")]
+        seen = (("problems", (float(len(problems)),)), ("bos_dropped", (float(bos_dropped),)))
+        return [_result(check, scenario, FAIL, f"{len(problems)} problem(s); first: {problems[0]}", seen)]
     if not capture.generations:
         return [_result(check, scenario, FAIL, "no generation happened")]
     rows = sum(len(r.prompts) for r in capture.generations)

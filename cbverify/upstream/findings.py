@@ -24,6 +24,7 @@ from cbverify.upstream.predictions import (
     another_attention,
     bf16_forward,
     bf16_logprobs,
+    bos_dropped,
     dapo_gradient,
     dapo_losses,
     float32_mean_rounding,
@@ -446,6 +447,24 @@ FINDINGS: tuple[Finding, ...] = (
                 r"logged reward(_std)? = \S+, reference", unweighted_logged_reward
             ),
         },
+    ),
+    Finding(
+        id="prompts-tokenized-without-bos",
+        checks=("completions_aligned",),
+        path="*",
+        when="a tokenizer that adds a BOS token (the bundled Llama); GRPOTrainer up to 0.25, RLOOTrainer up to 0.26",
+        applies=lambda s: s.trainer == "rloo" or installed_in("trl", "<0.26"),
+        affected="transformers 4.57.6 + trl 0.24.0, 0.25.1 (GRPO and RLOO) and 0.26.2 (RLOO), the TRL matrix's 0.x "
+        "columns; 0.27.2 and 0.28.0 pass; before 0.24 the capture has no hook to observe it",
+        evidence="the trainers tokenize the chat-templated or plain prompt with add_special_tokens=False "
+        "(GRPOTrainer._generate_single_turn to 0.25, RLOOTrainer to 0.26), so a model whose tokenizer adds a BOS "
+        "generates and is trained on prompts without it: prompt ids [19, 17, ...] instead of [1, 19, 17, ...] "
+        "for 'Q:97+53+5\\n'; the generation and the loss see a context the model never saw in pre-training",
+        repro=TrainerScenario(path="generate", greedy=True, num_prompts=2, max_completion_length=6),
+        repro_model="tiny-llama-arith",
+        trl="<0.27",
+        script="prompts_tokenized_without_bos.py",
+        predicts={"completions_aligned": Prediction(r"prompt ids \[[^\]]*\] != \[1, ", bos_dropped)},
     ),
     Finding(
         id="dapo-normaliser-is-not-the-accumulated-batch",

@@ -90,6 +90,15 @@ def mean_of_rank_means(scenario, seen: dict) -> str | None:
     return None
 
 
+def bos_dropped(scenario, seen: dict) -> str | None:
+    """Every problem of the batch is a prompt tokenized without its leading BOS (``add_special_tokens=False``):
+    nothing else in what reached the trainer is wrong."""
+    (problems,), (dropped,) = seen.get("problems", (0.0,)), seen.get("bos_dropped", (0.0,))
+    if problems and dropped == problems:
+        return None
+    return f"{int(problems - dropped)} of {int(problems)} problem(s) are not a prompt missing its leading BOS"
+
+
 def unscorable_as_zero(scenario, seen: dict) -> str | None:
     """TRL before 1.6 sums reward functions with nansum: an unscorable (NaN) reward counts as 0 in its group's
     statistics and gets an advantage; the advantages are the reference's for the rewards with NaN made 0."""
