@@ -172,18 +172,17 @@ class PlainForwards:
         if not self.batch:
             return
         ids, mask, targets = sequences_batch(self.batch)
-        self._twin_as_caller()
-        want = forward_record(self.twin, ids, mask, targets)
+        with torch.no_grad():  # the twin's values (grad mode changes none); in eval mode once where the caller's is
+            self._twin_as_caller()
+            want_eval = _in_eval(self.twin, ids, mask, targets)
+            want = forward_record(self.twin, ids, mask, targets) if self.training else want_eval
         got = self._run(where, "caller-mode", lambda: forward_record(self.model, ids, mask, targets))
         if got is not None:
             self._compare(where, "caller-mode", got, want)
         with torch.no_grad():
-            self.twin.eval()
-            want = forward_record(self.twin, ids, mask, targets)
-            self._twin_as_caller()
             got = self._run(where, "eval-mode", lambda: _in_eval(self.model, ids, mask, targets))
         if got is not None:
-            self._compare(where, "eval-mode", got, want)
+            self._compare(where, "eval-mode", got, want_eval)
 
     def train(self, where: str, seed: int, step) -> None:
         """A training step: ``step()`` runs it on the model (:func:`train_once`, maybe inside ``pause()``; what it
