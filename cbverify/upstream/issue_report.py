@@ -323,11 +323,12 @@ def _head(script_imports: list, preamble: list[str], statements_before: list[str
 def regression_test(item: Subject) -> tuple[str, str]:
     """``(file, source)``: a test in the upstream project's style, generated from ``item``'s repro.
 
-    The repro's shape (every script in ``cbverify/upstream/repros``): imports; module constants (the scratch folder
-    ``_TMP``); helper functions (the in-script tiny model); ``main() -> int`` that prints ``expected: ...`` and
-    ``observed: ...`` and ends in ``return 1 if BAD else 0``. ``main``'s body becomes the test body (as written), the
-    two printed lines its failure message and ``BAD`` the assertion (``assert not BAD``): the test fails exactly where
-    the repro exits 1. A repro that starts its own processes (``rank_main``) is run as a script by the test instead."""
+    The repro's shape (every script in ``cbverify/upstream/repros``): imports; ``sys.excepthook`` (an uncaught error
+    exits 2); module constants (the scratch folder ``_TMP``); helper functions (the in-script tiny model);
+    ``main() -> int`` that prints ``expected: ...`` and ``observed: ...`` and ends in ``return 1 if BAD else 0``.
+    ``main``'s body becomes the test body (as written), the two printed lines its failure message and ``BAD`` the
+    assertion (``assert not BAD``): the test fails exactly where the repro exits 1. A repro that starts its own
+    processes (``rank_main``) is run as a script by the test instead."""
     tree = ast.parse(item.script)
     source = item.script.splitlines()
     funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
@@ -387,8 +388,8 @@ def regression_test(item: Subject) -> tuple[str, str]:
     for node in tree.body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             imports.append(node)
-        elif isinstance(node, (ast.FunctionDef, ast.If)) or "_TMP" in ast.unparse(node):
-            continue
+        elif isinstance(node, (ast.FunctionDef, ast.If)) or re.search(r"_TMP|excepthook", ast.unparse(node)):
+            continue  # the scratch folder (the test has its own), the exit-2 hook (a test reports errors itself)
         elif not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)):  # not the docstring
             (before if node.lineno < last_import else after).append("\n".join(_lines(source, node)))
     constants = "\n".join(after)

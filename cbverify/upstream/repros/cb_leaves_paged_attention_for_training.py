@@ -14,9 +14,11 @@ weights) is built here. Observed: the attention implementation and an ordinary f
 import sys
 import traceback
 
-import torch
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-from transformers.generation import ContinuousBatchingConfig
+sys.excepthook = lambda *exc: (traceback.print_exception(*exc), sys.exit(2))  # an error is not the behaviour
+
+import torch  # noqa: E402
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers.generation import ContinuousBatchingConfig  # noqa: E402
 
 
 def tiny_llama():
@@ -45,8 +47,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except Exception:  # an unexpected error is not the behaviour: exit 2 (Python's own exit code would be 1)
-        traceback.print_exc()
-        sys.exit(2)
+    sys.exit(main())

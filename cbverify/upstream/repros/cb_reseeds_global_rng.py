@@ -16,9 +16,11 @@ error.
 import sys
 import traceback
 
-import torch
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-from transformers.generation import ContinuousBatchingConfig
+sys.excepthook = lambda *exc: (traceback.print_exception(*exc), sys.exit(2))  # an error is not the behaviour
+
+import torch  # noqa: E402
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers.generation import ContinuousBatchingConfig  # noqa: E402
 
 
 def tiny_llama():
@@ -44,8 +46,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except Exception:  # an unexpected error is not the behaviour: exit 2 (Python's own exit code would be 1)
-        traceback.print_exc()
-        sys.exit(2)
+    sys.exit(main())

@@ -18,10 +18,12 @@ import sys
 import tempfile
 import traceback
 
-import torch
-from datasets import Dataset
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-from trl import GRPOConfig, GRPOTrainer
+sys.excepthook = lambda *exc: (traceback.print_exception(*exc), sys.exit(2))  # an error is not the behaviour
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 _TMP = tempfile.TemporaryDirectory(prefix="repro-")  # removed when the script exits
 
@@ -73,8 +75,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except Exception:  # an unexpected error is not the behaviour: exit 2 (Python's own exit code would be 1)
-        traceback.print_exc()
-        sys.exit(2)
+    sys.exit(main())

@@ -19,6 +19,8 @@ import sys
 import tempfile
 import traceback
 
+sys.excepthook = lambda *exc: (traceback.print_exception(*exc), sys.exit(2))  # an error is not the behaviour
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
@@ -80,8 +82,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except Exception:  # an unexpected error is not the behaviour: exit 2 (Python's own exit code would be 1)
-        traceback.print_exc()
-        sys.exit(2)
+    sys.exit(main())

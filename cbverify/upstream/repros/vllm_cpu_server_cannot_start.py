@@ -15,6 +15,8 @@ import subprocess
 import sys
 import traceback
 
+sys.excepthook = lambda *exc: (traceback.print_exception(*exc), sys.exit(2))  # an error is not the behaviour
+
 
 def main() -> int:
     proc = subprocess.run([sys.executable, "-m", "vllm.entrypoints.cli.main", "--version"], capture_output=True,
@@ -26,8 +28,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except Exception:  # an unexpected error is not the behaviour: exit 2 (Python's own exit code would be 1)
-        traceback.print_exc()
-        sys.exit(2)
+    sys.exit(main())
