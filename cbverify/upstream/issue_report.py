@@ -342,7 +342,8 @@ def regression_test(item: Subject) -> tuple[str, str]:
         raise NotGeneratable("main() must end in its verdict")
     condition, bad = _verdict_assertion(last)
     printed = [ast.unparse(s.value.args[0]) for s in body if _printed(s) and s.value.args]
-    message = " + '; ' + ".join(printed) if printed else repr(item.id)
+    message = "\n    + '; '\n    + ".join(printed) if printed else repr(item.id)
+    message = f"(\n    {message}\n)"  # the repro's expected and observed lines
     fail = ("self.fail({m})" if item.project == TRANSFORMERS else "pytest.fail({m})").format(
         m=repr(f"{item.id}: the behaviour is there")
     )
@@ -368,7 +369,8 @@ def regression_test(item: Subject) -> tuple[str, str]:
                 + textwrap.indent(inner, 8 * " "))  # fmt: skip
         preamble = ["import pytest", "from .testing_utils import TrlTestCase"]
     elif item.project == TRANSFORMERS:
-        verdict = f"self.assertFalse({condition}, {message})" if bad else f"self.assertTrue({condition}, {message})"
+        indented = textwrap.indent(message, "    ")[4:]
+        verdict = f"self.assert{'False' if bad else 'True'}(\n    {condition},\n    {indented},\n)"
         inner = body_src.replace("_TMP.name", "tmp_dir") + "\n" + verdict
         if uses_tmp:
             inner = "with tempfile.TemporaryDirectory() as tmp_dir:\n" + textwrap.indent(inner, " " * 4)
@@ -400,7 +402,7 @@ def regression_test(item: Subject) -> tuple[str, str]:
 
 
 def _docline(text: str, indent: int) -> str:
-    lines = textwrap.wrap(text, 116 - indent)
+    lines = textwrap.wrap(text, 116 - indent, break_on_hyphens=False)
     return '"""' + ("\n" + " " * indent).join(lines) + '"""'
 
 
