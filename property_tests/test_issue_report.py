@@ -153,6 +153,9 @@ def test_a_fuzz_finding_gets_its_script_from_the_fuzz_package_or_a_clear_refusal
     if code == 0:
         text = (tmp_path / "f.md").read_text()
         assert "# [transformers] " in text and "## Standalone repro" in text
+        # its script has no main() to lift: the generated test runs it and asserts exit 0
+        assert "## Proposed regression test (`tests/generation/test_continuous_batching.py`)" in text
+        assert "self.assertEqual(proc.returncode, 0" in text
     else:
         assert code == 2 and f"no standalone repro for fuzz finding {finding.id}" in capsys.readouterr().err
 

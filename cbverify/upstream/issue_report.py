@@ -332,11 +332,13 @@ def regression_test(item: Subject) -> tuple[str, str]:
     tree = ast.parse(item.script)
     source = item.script.splitlines()
     funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
-    if "main" not in funcs:
-        raise NotGeneratable(f"{item.script_name} has no main()")
     name = "test_" + re.sub(r"\W", "_", item.id.replace("-", "_"))
     if "rank_main" in funcs:
-        return TEST_FILE.get(item.project, "tests/test_regressions.py"), _subprocess_test(item, name)
+        return TEST_FILE[item.project], _subprocess_test(item, name, "the script starts them (gloo on CPU)")
+    if "main" not in funcs:
+        if item.kind != "fuzz":
+            raise NotGeneratable(f"{item.script_name} has no main()")
+        return TEST_FILE[item.project], _subprocess_test(item, name, "")  # the fuzzer's script: no main() to lift
     *body, last = funcs["main"].body
     if not body or not isinstance(last, ast.Return):
         raise NotGeneratable("main() must end in its verdict")
@@ -406,21 +408,39 @@ def _docline(text: str, indent: int) -> str:
     return '"""' + ("\n" + " " * indent).join(lines) + '"""'
 
 
-def _subprocess_test(item: Subject, name: str) -> str:
-    """For a repro that starts its own processes: the test runs it as a script and asserts it exits 0."""
+def _subprocess_test(item: Subject, name: str, processes: str) -> str:
+    """A test that runs the repro as a script and asserts it exits 0 (it exits 1 while the behaviour is there): for
+    a repro that starts its own ``processes``, or one whose observation is not a ``main()`` to lift."""
     if '"""' in item.script and "'''" in item.script:
         raise NotGeneratable("the script holds both kinds of triple quotes")
     quote = "'''" if '"""' in item.script else '"""'
-    return (
-        "import subprocess\nimport sys\nfrom pathlib import Path\n\nfrom .testing_utils import TrlTestCase\n\n"
-        f"SCRIPT = r{quote}{item.script}{quote}\n\n\nclass TestGRPOTrainer(TrlTestCase):\n    def {name}(self):\n"
-        f"        {_docline(f'Regression test for {item.id}: {item.contract}.', 8)}\n"
-        "        # the observation needs several processes: the script starts them (gloo on CPU) and exits 1\n"
-        "        # while the behaviour is there\n"
-        '        script = Path(self.tmp_dir) / "repro.py"\n        script.write_text(SCRIPT)\n'
-        "        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)\n"
-        "        assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]\n"
-    )
+    why = (f"the observation needs several processes: {processes}" if processes
+           else "the repro's observation, run as a script")  # fmt: skip
+    run = ("script = Path(tmp_dir) / \"repro.py\"\nscript.write_text(SCRIPT)\nproc = subprocess.run([sys.executable, "
+           "str(script)], capture_output=True, text=True, timeout=600)\n")  # fmt: skip
+    doc = f"Regression test for {item.id}: {item.contract}."
+    note = f"# {why};\n# it exits 1 while the behaviour is there\n"
+    if item.project == TRANSFORMERS:
+        body = ("with tempfile.TemporaryDirectory() as tmp_dir:\n" + textwrap.indent(note + run, "    ")
+                + "    self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr[-2000:])\n")  # fmt: skip
+        head = "import subprocess\nimport sys\nimport tempfile\nimport unittest\nfrom pathlib import Path\n\n" \
+               "from transformers.testing_utils import require_torch\n"  # fmt: skip
+        test = (f"@require_torch\nclass ContinuousBatchingRegressionTest(unittest.TestCase):\n    def {name}(self):\n"
+                f"        {_docline(doc, 8)}\n" + textwrap.indent(body, 8 * " "))  # fmt: skip
+    elif item.project == TRL:
+        body = (note + run.replace("Path(tmp_dir)", "Path(self.tmp_dir)")
+                + "assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]\n")  # fmt: skip
+        head = "import subprocess\nimport sys\nfrom pathlib import Path\n\nfrom .testing_utils import TrlTestCase\n"
+        test = (f"class TestGRPOTrainer(TrlTestCase):\n    def {name}(self):\n        {_docline(doc, 8)}\n"
+                + textwrap.indent(body, 8 * " "))  # fmt: skip
+    else:
+        body = (note + run.replace("Path(tmp_dir)", "tmp_path")
+                + "assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]\n")  # fmt: skip
+        head = "import subprocess\nimport sys\n"
+        test = f"def {name}(tmp_path):\n    {_docline(doc, 4)}\n" + textwrap.indent(body, 4 * " ")
+    out = f"{head}\nSCRIPT = r{quote}{item.script}{quote}\n\n\n{test}"
+    ast.parse(out)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------------
