@@ -364,10 +364,12 @@ MANAGER_FINDINGS: tuple[FuzzFinding, ...] = (
         when="a plain forward while a manager lives: between the calls of a persistent manager (its loop running "
         "idle), or inside pause()",
         applies=_beside_a_live_manager,
-        evidence="while a manager lives the model's attention implementation is 'paged|sdpa' (the caller set sdpa): "
-        "beside the persistent manager between calls, and inside its pause(), the caller's own forward raises "
-        "ValueError: `paged|sdpa` was called without a paged attention cache (the training step's forward too: "
-        "cb-training-forward-fails-while-paused)",
+        evidence="while a manager lives the model's attention implementation is 'paged|sdpa' where the caller set "
+        "sdpa: beside the persistent manager between calls (and inside pause() on 5.18) the caller's own forward runs "
+        "the paged kernel without its cache: it differs silently from a model that never had a manager (the repro on "
+        "5.10.1, 5.12.0 and 5.15.1: loss 1.43609 vs 4.29e-06, log-probs max |diff| 7.06; the manager fuzz: up to 21), "
+        "and on 5.18 it raises ValueError: `paged|sdpa` was called without a paged attention cache (the training "
+        "step's forward too: cb-training-forward-fails-while-paused); 5.24 leaves sdpa in place",
         repro=FuzzCase(
             "transformers-cb",
             "tiny-llama-arith",
@@ -378,13 +380,14 @@ MANAGER_FINDINGS: tuple[FuzzFinding, ...] = (
         ),
         predicts={
             "plain-forward": Prediction(
-                PLAIN_WHERE + rf"(?:{PAGED_ATTN}|{PLAIN_FORWARDS} raised ValueError: `paged\|\w+` {NO_CACHE})",
+                PLAIN_WHERE + rf"(?:{PAGED_FORWARD}|{PLAIN_FORWARDS} raised ValueError: `paged\|\w+` {NO_CACHE})",
                 while_the_manager_lives,
             )
         },
-        affected="transformers 5.18.0; not 5.8.0, 5.10.1, 5.10.4, 5.11.0, 5.12.0, 5.15.1 or 5.24.0 (with sdpa; the "
-        "fuzz's 40 cases per entry point in each venv); 5.16, 5.17 and 5.19 to 5.23 not run",
-        transformers=">=5.18,<5.19",
+        affected="transformers 5.8.0, 5.10.1, 5.10.4, 5.11.0, 5.12.0, 5.15.1 (a silently different forward), 5.18.0 "
+        "(it raises); not 5.24.0 (the fuzz's 40 cases per entry point in each venv); 5.16, 5.17 and 5.19 to 5.23 not "
+        "run (cb-training-forward-fails-while-paused, the same held kernel inside pause(), passes on 5.19 to 5.24)",
+        transformers="<5.19",
     ),
     FuzzFinding(
         id="cb-stopped-manager-leaves-the-callers-forward-paged",
