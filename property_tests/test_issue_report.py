@@ -193,10 +193,15 @@ def _python_for(finding) -> tuple[str | None, str]:
         return (str(python), "the vllm environment") if python.is_file() else (None, "")
     if finding.on_installed_version():
         return sys.executable, "the pinned venv"
-    for python, (tf, trl) in _venvs().items():
-        if tf in SpecifierSet(finding.transformers or ">=0") and trl in SpecifierSet(finding.trl or ">=0"):
-            return python, f".matrix-venvs transformers {tf} + trl {trl}"
-    return None, ""
+    from packaging.version import Version
+
+    tf_range, trl_range = SpecifierSet(finding.transformers or ">=0"), SpecifierSet(finding.trl or ">=0")
+    inside = [(python, tf, trl) for python, (tf, trl) in _venvs().items() if tf in tf_range and trl in trl_range]
+    if not inside:
+        return None, ""
+    # the pinned transformers first, then the newest releases: the stack nearest the pinned one
+    python, tf, trl = max(inside, key=lambda c: (c[1] == "5.24.0", Version(c[1]), Version(c[2])))
+    return python, f".matrix-venvs transformers {tf} + trl {trl}"
 
 
 @pytest.mark.slow

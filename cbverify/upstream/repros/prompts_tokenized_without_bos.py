@@ -8,8 +8,8 @@ prompt ids ``[19, 17, ...]`` instead of ``[1, 19, 17, ...]``. 0.27 tokenizes as 
 
 Standalone: imports only torch, transformers, trl, datasets and the standard library; the model (a 2-layer Llama
 with seeded random weights) and its character tokenizer (which adds ``<bos>``) are built here. Observed: the prompt
-ids of the scored batch against ``tokenizer(prompt)``. Exits 1 while the behaviour is there, 0 once the trainer's
-prompt ids are the tokenizer's, 2 on an unexpected error.
+ids of both trainers' scored batches against ``tokenizer(prompt)``. Exits 1 while the behaviour is there, 0 once
+both trainers' prompt ids are the tokenizer's, 2 on an unexpected error.
 """
 
 import json
@@ -23,7 +23,7 @@ sys.excepthook = lambda *exc: (traceback.print_exception(*exc), sys.exit(2))  # 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
-from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
 
 _TMP = tempfile.TemporaryDirectory(prefix="repro-")  # removed when the script exits
 
@@ -56,22 +56,29 @@ def tiny_model(folder, config_class=LlamaConfig, model_class=LlamaForCausalLM):
     return model_class(config), tokenizer
 
 
-def main() -> int:
-    model, tokenizer = tiny_model(_TMP.name)
-    args = GRPOConfig(
+def prompt_ids(trainer_class, config_class, model, tokenizer, prompts) -> list[int]:
+    """The first prompt's ids in the batch ``trainer_class`` generates from and scores."""
+    args = config_class(
         output_dir=_TMP.name, report_to="none", use_cpu=True, per_device_train_batch_size=2, num_generations=2,
-        max_completion_length=4, save_strategy="no", logging_strategy="no", disable_tqdm=True,
+        max_completion_length=4, save_strategy="no", logging_strategy="no", disable_tqdm=True, beta=0.0,
     )  # fmt: skip
-    prompts = [{"prompt": "Q:1+2\n"}]
-    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [0.0, 1.0], args=args,
-                          train_dataset=Dataset.from_list(prompts), processing_class=tokenizer)  # fmt: skip
+    trainer = trainer_class(model=model, reward_funcs=lambda completions, **_: [0.0, 1.0], args=args,
+                            train_dataset=Dataset.from_list(prompts), processing_class=tokenizer)  # fmt: skip
     trainer.model.train()
     batch = trainer._generate_and_score_completions(prompts * 2)
-    used = batch["prompt_ids"][0][batch["prompt_mask"][0].bool()].tolist()
+    return batch["prompt_ids"][0][batch["prompt_mask"][0].bool()].tolist()
+
+
+def main() -> int:
+    model, tokenizer = tiny_model(_TMP.name)
+    prompts = [{"prompt": "Q:1+2\n"}]
     expected = tokenizer(prompts[0]["prompt"])["input_ids"]
-    print(f"expected: prompt ids {expected} (what the model's tokenizer gives, BOS first)")
+    used = {name: prompt_ids(trainer, config, model, tokenizer, prompts)
+            for name, trainer, config in (("GRPOTrainer", GRPOTrainer, GRPOConfig),
+                                          ("RLOOTrainer", RLOOTrainer, RLOOConfig))}  # fmt: skip
+    print(f"expected: prompt ids {expected} (what the model's tokenizer gives, BOS first) for both trainers")
     print(f"observed: prompt ids {used}")
-    return 1 if used != expected and used == expected[1:] else 0
+    return 1 if any(ids != expected and ids == expected[1:] for ids in used.values()) else 0
 
 
 if __name__ == "__main__":
