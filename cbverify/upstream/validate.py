@@ -287,7 +287,7 @@ class Outcome:
 class Item:
     """One finding or check and its outcome on each side."""
 
-    kind: str  # "finding" or "check"
+    kind: str  # "check", or "<source> finding" (upstream, fuzz, env)
     id: str
     release: Outcome
     checkout: Outcome
@@ -299,7 +299,7 @@ class Item:
         """:func:`classify`'s category; a finding passing (or not run) on both sides is not applicable, not merely
         unchanged: its repro had nothing to show on either (e.g. a release outside its range)."""
         category = classify(self.release.verdict, self.checkout.verdict)
-        return NA if category == UNCHANGED and self.kind == "finding" else category
+        return NA if category == UNCHANGED and self.kind != "check" else category
 
 
 def check_verdict(row: dict) -> str:
@@ -407,14 +407,15 @@ def validate(
     items = []
     for t in targets_:
         if t.script is None:
-            items.append(Item("finding", t.id, Outcome(ABSENT), Outcome(ABSENT), {}, t.why))
+            items.append(Item(f"{t.source} finding", t.id, Outcome(ABSENT), Outcome(ABSENT), {}, t.why))
             continue
         rerun = {s.name: s.command(str(t.script)) for s in (release, checkout)}
         inside = in_range(t, release.versions)
         ranges = ", ".join(f"{p} {s}" for p, s in t.ranges.items() if s) or "every version"
         note = {True: f"its range ({ranges}) holds the release", False: f"outside its range ({ranges}) on the release",
                 None: f"range {ranges}"}[inside]  # fmt: skip
-        items.append(Item("finding", t.id, results[(t.id, "release")], results[(t.id, "checkout")], rerun, note))
+        pair = results[(t.id, "release")], results[(t.id, "checkout")]
+        items.append(Item(f"{t.source} finding", t.id, *pair, rerun, note))
     if not checks:
         return items
     print(f"upstream checks on both sides (time box {checks_timeout:.0f} s each)", file=stream or sys.stderr,
@@ -470,7 +471,8 @@ def _side(o: Outcome) -> str:
 def _last(detail: str) -> str:
     """The last line of a run's output that is not a warning, shortened."""
     lines = [ln for ln in detail.splitlines() if "warn" not in ln.lower() and ln.strip()]
-    return lines[-1].strip()[:200] if lines else ""
+    observed = [ln for ln in lines if ln.lstrip().startswith("observed:")]  # what a repro says it saw, where it says
+    return (observed or lines or [""])[-1].strip()[:200]
 
 
 def render(items: Sequence[Item], header: Sequence[str]) -> str:
@@ -486,7 +488,7 @@ def render(items: Sequence[Item], header: Sequence[str]) -> str:
                          + (f"  ({item.note})" if item.note else ""))  # fmt: skip
             if category in (NEW, STILL) and (said := _last(item.checkout.detail)):
                 lines.append(f"    checkout: {said}")
-            if category == FIXED and item.kind == "finding" and (said := _last(item.release.detail)):
+            if category == FIXED and item.kind != "check" and (said := _last(item.release.detail)):
                 lines.append(f"    release:  {said}")
             if "checkout" in item.rerun:  # the release's command is the same without the PYTHONPATH
                 lines.append(f"    rerun: {item.rerun['checkout']}")
@@ -496,6 +498,8 @@ def render(items: Sequence[Item], header: Sequence[str]) -> str:
         why = item.note if item.release.verdict == ABSENT == item.checkout.verdict else (
             f"release {_side(item.release)}, checkout {_side(item.checkout)}"
             + (f"; {item.note}" if item.note else ""))  # fmt: skip
+        if ERROR in (item.release.verdict, item.checkout.verdict) and (said := _last(item.checkout.detail)):
+            why += f"; checkout: {said}"
         if item.checkout.verdict == KNOWN:
             why += "; fails on the checkout only as a registered finding predicts (its repro decides)"
         lines.append(f"  {item.kind} {item.id}: {why}")
