@@ -304,11 +304,12 @@ FINDINGS: tuple[Finding, ...] = (
         path="cb",
         when="repetition_penalty != 1.0",
         applies=lambda s: s.repetition_penalty != 1.0,
-        affected="transformers 5.24.0 + trl 1.16.0 on the random Qwen2; not 5.8.0 or 5.16.0 (an earlier run); the "
-        "matrix's trained Llama cannot show it (the penalty changes none of its greedy choices: NOT-APPLICABLE on "
-        "every release, trl releases included), so releases in between are unconfirmed; the fuzzer sees the manager "
-        "drop it on all of them",
-        transformers=">5.16.0",
+        affected="transformers 5.24.0 + trl 1.16.0 on the random Qwen2; its standalone script (generate_batch with "
+        "the penalty, greedy) exits 1 on transformers 5.8.0, 5.15.1 and 5.24.0, and the fuzzer sees the manager drop "
+        "it on every release; the matrix's trained Llama cannot show it (the penalty changes none of its greedy "
+        "choices: NOT-APPLICABLE on every release), and an earlier trainer run on 5.8.0 and 5.16.0 did not, so a "
+        "PASS of the trainer check is no sign of a fix",
+        data_dependent=True,
         evidence="ContinuousBatchingLogitsProcessorList drops RepetitionPenaltyLogitsProcessor "
         "(supports_continuous_batching=False, drop_unsupported_processors=True) with only a logger warning: "
         "greedy CB tokens are the argmax of the unpenalised logits",

@@ -1,5 +1,5 @@
-"""Finding ``cb-drops-repetition-penalty`` (transformers after 5.16): continuous batching ignores
-``repetition_penalty``.
+"""Finding ``cb-drops-repetition-penalty`` (every transformers release seen: 5.8.0, 5.15.1, 5.24.0): continuous
+batching ignores ``repetition_penalty``.
 
 ``ContinuousBatchingLogitsProcessorList`` drops ``RepetitionPenaltyLogitsProcessor`` (it declares
 ``supports_continuous_batching=False`` and ``drop_unsupported_processors`` is on) with only a logger warning, so a
