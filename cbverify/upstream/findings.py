@@ -461,7 +461,10 @@ FINDINGS: tuple[Finding, ...] = (
         "(GRPOTrainer._generate_single_turn to 0.25, RLOOTrainer to 0.26), so a model whose tokenizer adds a BOS "
         "generates and is trained on prompts without it: prompt ids [19, 17, ...] instead of [1, 19, 17, ...] "
         "for 'Q:97+53+5\\n'; the generation and the loss see a context the model never saw in pre-training",
-        repro=TrainerScenario(path="generate", greedy=True, num_prompts=2, max_completion_length=6),
+        repro=TrainerScenario(
+            path="generate", trainer="rloo", top_p=0.8, num_generations=2, num_prompts=2, max_completion_length=6,
+            max_steps=1,
+        ),
         repro_model="tiny-llama-arith",
         trl="<0.27",
         script="prompts_tokenized_without_bos.py",
