@@ -296,6 +296,7 @@ def test_a_truncated_safetensors_file_is_named_in_one_line(tmp_path):
      ["conformance", "--engines", "cb_impl", "--model", "BAD"], ["bench", "--grpo-model", "BAD"],
      ["bench", "--out", "FILE"],
      ["zoo", "--archs", "--combinations", "no-such-family"], ["golden", "check", "--case", "no-such-case"],
+     ["golden", "check", "--engine", "no-such-engine"],
      ["train", "--min-terms", "5", "--max-terms", "3"], ["train", "--model", "tiny-qwen3-chat"],
      ["fuzz", "--engine", "cb_impl", "--entry", "generate_batch"], ["verify", "--json", "MISSING/r.json"],
      ["verify", "--engines", "no-such-engine"], ["verify", "--prompts", "FILE"], ["verify", "--grpo-config", "FILE"]],

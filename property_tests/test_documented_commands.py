@@ -471,8 +471,10 @@ COMMANDS: dict[str, tuple[Here | Elsewhere | Recipe | Check, ...]] = {
              check=_prints("mean reward")),
     ),  # fmt: skip
     "cbverify golden check": (
-        Here("cbverify golden check --case tiny-llama-arith.float32.greedy --no-trajectory --threads 1", 0,
-             "cbverify/cli/golden.py: check exits 1 when a case fails", check=_prints("1/1 golden cases pass")),
+        Here("cbverify golden check --case tiny-llama-arith.float32.greedy --engine cb_impl --no-trajectory "
+             "--threads 1", 0, "cbverify/cli/golden.py: check exits 1 when a case fails; every case and engine is "
+             "checked by golden/test_golden.py (vLLM's, in its own environment, under the vllm marker)",
+             check=_prints("1/1 golden cases pass")),
         Elsewhere(SMOKE, "every case, from the installed wheel", needle='"$BIN/cbverify" golden check'),
     ),  # fmt: skip
     "pytest -m golden": (

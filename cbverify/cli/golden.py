@@ -41,6 +41,12 @@ def run(args: argparse.Namespace) -> int:
         cases = golden_cases.select(args.case, args.device)
     except ValueError as err:  # a case that matches nothing
         return refuse("golden", err)
+    from cbverify.engines import known_engines
+
+    unknown = [e for e in args.engine or () if e not in known_engines() and ":" not in e]
+    if unknown:
+        return refuse("golden", f"unknown engine {', '.join(unknown)}; known engines: {', '.join(known_engines())}, "
+                      "or module:factory")  # fmt: skip
     if args.list:
         print("\n".join(c.name for c in cases))
         return 0
