@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         return refuse("golden", err)
     from cbverify.engines import known_engines
 
-    unknown = [e for e in args.engine or () if e not in known_engines() and ":" not in e]
+    unknown = [e for e in getattr(args, "engine", None) or () if e not in known_engines() and ":" not in e]
     if unknown:
         return refuse("golden", f"unknown engine {', '.join(unknown)}; known engines: {', '.join(known_engines())}, "
                       "or module:factory")  # fmt: skip

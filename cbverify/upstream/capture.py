@@ -226,6 +226,8 @@ def install(trainer, capture: Capture) -> None:
         "process_index": int(trainer.accelerator.process_index),
         "num_processes": int(trainer.accelerator.num_processes),
         "distributed_type": str(trainer.accelerator.distributed_type),
+        # the mixed precision the trainer really runs under ("no", "bf16", "fp16"), whatever its config says
+        "mixed_precision": str(trainer.accelerator.mixed_precision),
     }
     _wrap_generate(trainer, capture)
     _wrap_scoring(trainer, capture)

@@ -229,6 +229,22 @@ def mixed_precision_completes(scenario: TrainerScenario, capture: Capture) -> li
     return [_result(check, scenario, PASS, f"bf16: {len(capture.losses)} loss call(s), every request finished")]
 
 
+def trainer_precision_follows_its_config(scenario: TrainerScenario, capture: Capture) -> list[CheckResult]:
+    """The trainer runs in the precision its own config asks for (``bf16`` -> bf16 autocast, else the one the process
+    was launched with: ``accelerate launch --mixed_precision``, or none), whatever trainers the process built before
+    it (``after_bf16_trainer``)."""
+    check = "trainer_precision_follows_its_config"
+    got = capture.trainer_info.get("mixed_precision")
+    if got is None:
+        return [_result(check, scenario, NA, "the trainer was never built (see run_completes)")]
+    want = "bf16" if scenario.bf16 else capture.trainer_info.get("launch_mixed_precision", "no")
+    after = ", built after a bf16 trainer in this process" if scenario.after_bf16_trainer else ""
+    if got != want:
+        return [_result(check, scenario, FAIL, f"bf16={scenario.bf16}{after}: the accelerator's mixed precision is "
+                        f"{got!r}, not {want!r}")]  # fmt: skip
+    return [_result(check, scenario, PASS, f"bf16={scenario.bf16}{after}: mixed precision {got!r}")]
+
+
 def exercised(scenario: TrainerScenario, capture: Capture) -> dict[str, int]:
     """What the run gave the checks to judge, counted over every generation: rows, rows cut at
     ``max_completion_length``, rows masked out for it, groups whose rewards differ (nonzero advantages) or are all

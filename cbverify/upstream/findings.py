@@ -471,6 +471,30 @@ FINDINGS: tuple[Finding, ...] = (
         predicts={"completions_aligned": Prediction(r"prompt ids \[[^\]]*\] != \[1, ", bos_dropped)},
     ),
     Finding(
+        id="bf16-config-leaks-into-later-trainers",
+        checks=("trainer_precision_follows_its_config",),
+        path="*",
+        when="a float32 trainer (bf16=False) built after a bf16 one in the same process: a sweep, a notebook, a "
+        "GRPO run then an RLOO run",
+        applies=lambda s: s.after_bf16_trainer and not s.bf16,
+        affected="transformers 4.57.6 + trl 0.14.0 to 0.28.0 (the TRL matrix's 0.x columns; the trainer is "
+        "transformers'): the write is in every 4.x wheel read (4.30.0, 4.40.0, 4.46.0, 4.52.1, 4.57.6), not in "
+        "5.0.0 and later",
+        evidence="TrainingArguments.__post_init__ takes ACCELERATE_MIXED_PRECISION from the environment as its "
+        "default and writes its own choice back (os.environ['ACCELERATE_MIXED_PRECISION'] = 'bf16'), so every later "
+        "TrainingArguments of the process starts from bf16 and its Trainer's Accelerator autocasts although the config "
+        "says bf16=False: the float32 RLOO run after a bf16 GRPO run computes its per-token log-probs 5.63e-05 off "
+        "the float32 reference (5e-07 alone, fp32 tier 5e-05); a forward under its autocast is 2.4e-03 off",
+        repro=TrainerScenario(
+            path="generate", greedy=True, after_bf16_trainer=True, num_generations=2, num_prompts=2,
+            max_completion_length=6, max_steps=1,
+        ),
+        repro_model="tiny-llama-arith",
+        transformers="<5.0",
+        script="bf16_config_leaks_into_later_trainers.py",
+        predicts={"trainer_precision_follows_its_config": Prediction(r"mixed precision is 'bf16', not 'no'")},
+    ),
+    Finding(
         id="dapo-normaliser-is-not-the-accumulated-batch",
         checks=("micro_losses_match_reference", "step_gradients_match_reference"),
         path="*",

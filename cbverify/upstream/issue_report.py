@@ -36,6 +36,7 @@ PROJECT = {
     "cb-reseeds-global-rng": TRANSFORMERS,
     "cb-drops-repetition-penalty": TRANSFORMERS,
     "cb-leaves-paged-attention-for-training": TRANSFORMERS,
+    "bf16-config-leaks-into-later-trainers": TRANSFORMERS,
     "vllm-cpu-seeded-chunked-prefill-crashes": VLLM,
     "vllm-min-p-before-top-p": VLLM,
     "vllm-cpu-server-cannot-start": VLLM,
@@ -47,6 +48,8 @@ CONTRACT = {
     "`generate()` does; a failed request is an error the caller sees, not a log line",
     "cb-bf16-casts-training-weights": "`bf16=True` is mixed precision (float32 master weights, bfloat16 compute): "
     "generating must not change the dtype of the weights the optimizer updates",
+    "bf16-config-leaks-into-later-trainers": "`TrainingArguments(bf16=False)` trains in float32 (no autocast): "
+    "`bf16` and `fp16` choose the mixed precision of the trainer built from these arguments, and of no other",
     "cb-forces-train-mode": "generation leaves the model in the mode it found it in (`generate()` does); "
     "`evaluate()` runs in eval mode",
     "cb-train-mode-crashes-evaluate": "`trainer.evaluate()` works with the default `loss_type` on every generation "

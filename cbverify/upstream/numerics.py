@@ -45,8 +45,10 @@ def trainer_logprobs_match_reference(scenario: TrainerScenario, capture: Capture
             diffs.append((got - ref).abs())
     flat = torch.cat(diffs) if diffs else torch.zeros(0)
     worst, mean = (float(flat.max()), float(flat.mean())) if flat.numel() else (0.0, 0.0)
-    ok = worst <= BF16_MAX and mean <= BF16_MEAN if scenario.bf16 else worst <= FP32_MAX
-    tier = f"bf16 tier max {BF16_MAX}/mean {BF16_MEAN}" if scenario.bf16 else f"fp32 tier max {FP32_MAX}"
+    # the tier of the precision the trainer really ran in (trainer_precision_follows_its_config judges the choice)
+    bf16 = scenario.bf16 or capture.trainer_info.get("mixed_precision") == "bf16"
+    ok = worst <= BF16_MAX and mean <= BF16_MEAN if bf16 else worst <= FP32_MAX
+    tier = f"bf16 tier max {BF16_MAX}/mean {BF16_MEAN}" if bf16 else f"fp32 tier max {FP32_MAX}"
     return [_result(check, scenario, PASS if ok else FAIL, f"{flat.numel()} tokens: max |diff| {worst:.2e}, mean "
                     f"{mean:.2e} ({tier})", (("max_diff", (worst,)), ("mean_diff", (mean,))))]  # fmt: skip
 

@@ -18,8 +18,10 @@ import functools
 import gc
 import importlib.util
 import logging
+import os
 import tempfile
 import warnings
+from dataclasses import replace
 
 import torch
 
@@ -84,7 +86,7 @@ def not_applicable(scenario: TrainerScenario) -> str | None:
         return reason
     if scenario.path == "vllm" and importlib.util.find_spec("vllm") is None:
         return VLLM_ELSEWHERE
-    if scenario.bf16 and not torch.cuda.is_available() and not _cpu_bf16_ok():
+    if (scenario.bf16 or scenario.after_bf16_trainer) and not torch.cuda.is_available() and not _cpu_bf16_ok():
         return "bf16 autocast unavailable on this CPU"
     return None
 
@@ -121,6 +123,7 @@ def run_scenario(scenario: TrainerScenario, model, tokenizer, callbacks: tuple =
     if reason:
         raise ValueError(f"scenario not applicable on this stack: {reason}")
     torch.manual_seed(scenario.seed)
+    launch_precision = os.environ.get("ACCELERATE_MIXED_PRECISION") or "no"  # what `accelerate launch` chose, if any
     work_model = copy.deepcopy(model).float().train()
     capture = Capture()
     rollout_func = None
@@ -133,17 +136,21 @@ def run_scenario(scenario: TrainerScenario, model, tokenizer, callbacks: tuple =
         capture.sampler_model.save_pretrained(folder.name)
         tokenizer.save_pretrained(folder.name)
         work_model.name_or_path = work_model.config._name_or_path = folder.name
-    with warnings.catch_warnings(), _quiet_loggers():
+    with warnings.catch_warnings(), _quiet_loggers(), _own_precision_environment():
         # TRL/transformers deprecation chatter (gradient_checkpointing -> activation_checkpointing, block_size) is
         # about their own internals, repeated every run; it carries no information about the scenario under test.
         warnings.simplefilter("ignore", FutureWarning)
         trainer = None
         try:
+            if scenario.after_bf16_trainer:
+                release_trainer(build_trainer(replace(scenario, bf16=True, after_bf16_trainer=False),
+                                              copy.deepcopy(model).float(), tokenizer))  # fmt: skip
             with _vllm_dtype(scenario.sampler_dtype):
                 trainer = build_trainer(scenario, work_model, tokenizer, rollout_func=rollout_func)
             if folder is not None:
                 trainer.vllm_generation.sync_weights = lambda: None
             install(trainer, capture)
+            capture.trainer_info["launch_mixed_precision"] = launch_precision
             for callback in callbacks:
                 trainer.add_callback(callback)
             try:
@@ -157,6 +164,25 @@ def run_scenario(scenario: TrainerScenario, model, tokenizer, callbacks: tuple =
             if trainer is not None:
                 release_trainer(trainer)  # its output folder, now (the capture keeps what the checks need)
     return capture
+
+
+@contextlib.contextmanager
+def _own_precision_environment():
+    """Each run starts from the caller's ``ACCELERATE_MIXED_PRECISION`` and leaves it as it found it.
+
+    transformers 4.x's ``TrainingArguments(bf16=True)`` writes ``bf16`` there, and every later ``TrainingArguments``
+    of the process reads it as its default (the registered ``bf16-config-leaks-into-later-trainers``): without this,
+    a suite's float32 scenarios after its first bf16 one would all run in bf16 autocast, and be judged on it. The
+    leak itself is judged where a scenario asks for it (``after_bf16_trainer``)."""
+    name = "ACCELERATE_MIXED_PRECISION"
+    before = os.environ.get(name)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 @contextlib.contextmanager

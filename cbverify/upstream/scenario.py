@@ -87,6 +87,9 @@ class TrainerScenario:
     # the model's architecture and tokenizer with seeded random weights (reference.models.random_like, seed 0): a
     # trained checkpoint can be confident enough that a group's members sample one completion (zero advantages)
     random_weights: bool = False
+    # build (and release) a bf16 trainer of this configuration first, in the same process, as a sweep or a notebook
+    # does: what the run's trainer inherits from it is what ``trainer_precision_follows_its_config`` judges
+    after_bf16_trainer: bool = False
 
     def __post_init__(self) -> None:
         checks = [
@@ -117,6 +120,7 @@ class TrainerScenario:
              f"the global generation batch ({self.generation_batch_size} x {self.nproc} processes) must be a multiple "
              "of num_generations"),
             (0.0 <= self.top_entropy_quantile <= 1.0, "top_entropy_quantile must be in [0, 1]"),
+            (not (self.after_bf16_trainer and self.bf16), "after_bf16_trainer needs a float32 (bf16=False) scenario"),
         ]  # fmt: skip
         for ok, message in checks:
             if not ok:

@@ -22,6 +22,7 @@ CHECKS = (
     "run_completes", "no_silent_request_failure", "completions_aligned", "generation_keeps_attn_and_config",
     "generation_keeps_params", "generation_keeps_mode", "generation_keeps_rng", "generation_keeps_forward",
     "sampler_logprobs_reach_trainer", "is_correction_applied", "mixed_precision_completes",
+    "trainer_precision_follows_its_config",
     "trainer_logprobs_match_reference", "advantages_match_reference", "zero_variance_groups_get_zero_advantage",
     "loss_matches_reference",
     "sampled_tokens_within_processed_support", "sampler_logprob_semantics", "is_weights_match_reference",
@@ -48,6 +49,7 @@ def check_capture(scenario: TrainerScenario, capture: Capture, model) -> list[Ch
         *checks.sampler_logprobs_reach_trainer(scenario, capture),
         *checks.is_correction_applied(scenario, capture),
         *checks.mixed_precision_completes(scenario, capture),
+        *checks.trainer_precision_follows_its_config(scenario, capture),
     ]
     # a run that crashed is judged on what it reached: advantages come from scoring, before any loss
     ran = capture.run_error is None
@@ -114,6 +116,7 @@ DEFAULT_SCENARIOS: tuple[TrainerScenario, ...] = tuple(
         dict(path="cb", evaluate=True),
         dict(path="cb", trainer="rloo", top_p=0.8),
         dict(path="generate", trainer="rloo", top_p=0.8),
+        dict(path="generate", greedy=True, after_bf16_trainer=True),
     )
 )
 # TRL's colocated vLLM path (run in the vllm environment: `cbverify upstream --run --path vllm`): one scenario per
