@@ -8,6 +8,7 @@ import math
 import subprocess
 import sys
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -110,6 +111,17 @@ def test_git_bisect_names_the_first_bad_commit_of_a_synthetic_checkout_skipping_
     assert (found.first_bad, found.subject) == (shas[6], "commit 6"), found.log[-1500:]
     head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
     assert head.strip() == shas[-1]  # reset to where it was
+    # read the other way (the behaviour there until commit 6, fixed from then on): the first commit with the fix
+    script.write_text("import sys\nimport fakepkg\nsys.exit(0 if fakepkg.VALUE >= 6 else 1)\n")
+    fixed = bisect.git_bisect(repo, shas[-1], shas[0], command, env=env)
+    assert (fixed.first_bad, fixed.change) == (shas[6], "fixed"), fixed.log[-1500:]
+    _git(repo, "checkout", "-q", "-b", "side", shas[2])
+    (repo / "side.txt").write_text("x")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-q", "-m", "a release branch's patch")
+    with pytest.raises(ValueError, match="two lines of history"):
+        bisect.git_bisect(repo, "side", shas[-1], command, env=env)
+    _git(repo, "checkout", "-q", shas[-1])
     (repo / "src" / "fakepkg" / "__init__.py").write_text("VALUE = 0\n")  # a dirty checkout is refused
     try:
         bisect.git_bisect(repo, shas[0], shas[-1], command, env=env)

@@ -7,7 +7,8 @@ does not, or when the search could not decide). ``--record`` keeps the result in
 ``cbverify/upstream/bisections.json``, which the registry's tests hold the typed ranges to.
 
 ``--transformers-src PATH`` / ``--trl-src PATH`` with ``--good REF --bad REF``: ``git bisect run`` with the repro over
-the checkout's commits (the checkout must be clean; it is reset afterwards), naming the first bad commit.
+the checkout's commits (the checkout must be clean; it is reset afterwards), naming the first bad commit, or, when
+``--bad`` is the older ref, the first commit with the fix.
 """
 
 from __future__ import annotations
@@ -114,9 +115,10 @@ def _git(args, bisect, finding, script: Path, source: Path, package: str) -> int
         found = bisect.git_bisect(source, args.good, args.bad, command, env=env)
     except (ValueError, RuntimeError) as err:
         return refuse("bisect", err)
+    what = "first bad commit" if found.change == "introduced" else "first commit with the fix"
     if found.first_bad is None:
         print(found.log[-2000:], file=sys.stderr)
-        print(f"bisect {finding.id}: git bisect could not name a first bad commit between {args.good} and {args.bad}")
+        print(f"bisect {finding.id}: git bisect could not name the {what} between {args.good} and {args.bad}")
         return 1
-    print(f"bisect {finding.id}: first bad commit {found.first_bad} ({found.subject})")
+    print(f"bisect {finding.id}: {what} {found.first_bad} ({found.subject})")
     return 0

@@ -250,11 +250,14 @@ def script_of(finding) -> Path:
 
 @dataclass(frozen=True, slots=True)
 class GitBisection:
-    """``git bisect run``'s answer: the first bad commit (``None`` when it could not say), its subject, the log."""
+    """``git bisect run``'s answer: the commit where the behaviour changed (``None`` when it could not say), its
+    subject, the log, and the change: ``introduced`` (the first commit where the repro fails) or ``fixed`` (the first
+    where it passes again)."""
 
     first_bad: str | None
     subject: str
     log: str
+    change: str = "introduced"
 
 
 def source_root(checkout: Path, package: str) -> Path:
@@ -270,7 +273,11 @@ def git_bisect(
     checkout: Path, good: str, bad: str, command: Sequence[str], *, env: dict | None = None
 ) -> GitBisection:
     """``git bisect run`` in ``checkout`` between ``good`` and ``bad`` with ``command`` (exit 0 good, 1 bad, anything
-    else skipped: git's 125), always reset afterwards (the checkout is left at the commit it was on)."""
+    else skipped: git's 125), always reset afterwards (the checkout is left at the commit it was on).
+
+    ``good`` older than ``bad`` (its ancestor) finds the commit that introduced the behaviour; ``bad`` older than
+    ``good`` finds the one that fixed it (git's terms ``broken`` / ``fixed``, the repro's verdict read the other way).
+    Refs on two lines of history (a release branch's patch tag and main) are refused: give their merge base."""
     git = ["git", "-C", str(checkout)]
 
     def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -283,18 +290,31 @@ def git_bisect(
         raise ValueError(f"{checkout} has uncommitted changes: git bisect would check out over them")
     for ref in (good, bad):
         run("rev-parse", "--verify", f"{ref}^{{commit}}")
-    wrapped = f"{shlex.join(command)}; rc=$?; if [ $rc -le 1 ]; then exit $rc; else exit 125; fi"
-    run("bisect", "start", bad, good)
+
+    def older(a: str, b: str) -> bool:
+        return run("merge-base", "--is-ancestor", a, b, check=False).returncode == 0
+
+    if older(good, bad):  # the repro fails from some commit on: exit 0 is git's "good", 1 its "bad"
+        change, start, verdict = "introduced", ["start", bad, good], "if [ $rc -le 1 ]; then exit $rc; fi"
+    elif older(bad, good):  # it passes from some commit on: exit 1 is git's old term ("broken"), 0 its new ("fixed")
+        change, start = "fixed", ["start", "--term-old=broken", "--term-new=fixed", good, bad]
+        verdict = "if [ $rc -eq 1 ]; then exit 0; fi; if [ $rc -eq 0 ]; then exit 1; fi"
+    else:
+        raise ValueError(f"{good} and {bad} are on two lines of history (neither is an ancestor of the other): give "
+                         f"refs on one, e.g. `git merge-base {good} {bad}` for the older")  # fmt: skip
+    wrapped = f"{shlex.join(command)}; rc=$?; {verdict}; exit 125"
+    run("bisect", *start)
     try:
         out = run("bisect", "run", "sh", "-c", wrapped, check=False)
         log = out.stdout + out.stderr
     finally:
         run("bisect", "reset", check=False)
-    found = re.search(r"^([0-9a-f]{40}) is the first bad commit", log, re.M)
+    term = "bad" if change == "introduced" else "fixed"
+    found = re.search(rf"^([0-9a-f]{{40}}) is the first {term} commit", log, re.M)
     if found is None:
-        return GitBisection(None, "", log)
+        return GitBisection(None, "", log, change)
     subject = run("log", "-1", "--format=%s", found.group(1)).stdout.strip()
-    return GitBisection(found.group(1), subject, log)
+    return GitBisection(found.group(1), subject, log, change)
 
 
 def checkout_command(script: Path, checkout: Path, package: str) -> tuple[list[str], dict]:
