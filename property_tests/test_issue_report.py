@@ -114,6 +114,9 @@ def test_the_releases_come_from_a_recorded_bisection_with_its_date_else_the_type
     assert f"measured {luspo['measured']}" in lines and f"first good {luspo['after']}" in lines
     typed = "\n".join(issue_report.releases(issue_report.subject("cb-reseeds-global-rng")))
     assert "typed range (no bisection recorded): `>=5.9`" in typed
+    unscorable = recorded()["unscorable-completion-scored-as-zero"]["trl"]["commit"]  # a real TRL checkout's
+    lines = "\n".join(issue_report.releases(issue_report.subject("unscorable-completion-scored-as-zero")))
+    assert f"fixed by `{unscorable['sha']}` ({unscorable['subject']})" in lines, lines
 
 
 def test_the_regression_test_asserts_the_repro_s_own_verdict():

@@ -4,11 +4,13 @@
 finding's standalone repro, one cached venv per probed release (:mod:`cbverify.upstream.bisect`); prints each probe,
 the last good and first bad release, and whether the finding's typed range agrees with the probes (exit 1 when it
 does not, or when the search could not decide). ``--record`` keeps the result in
-``cbverify/upstream/bisections.json``, which the registry's tests hold the typed ranges to.
+``cbverify/upstream/bisections.json``, which the registry's tests hold the typed ranges to, and ``cbverify report``
+shows.
 
 ``--transformers-src PATH`` / ``--trl-src PATH`` with ``--good REF --bad REF``: ``git bisect run`` with the repro over
 the checkout's commits (the checkout must be clean; it is reset afterwards), naming the first bad commit, or, when
-``--bad`` is the older ref, the first commit with the fix.
+``--bad`` is the older ref, the first commit with the fix; ``--record`` keeps that commit beside the release
+bisection.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--good", metavar="REF", help="with --*-src: a commit where the repro passes")
     parser.add_argument("--bad", metavar="REF", help="with --*-src: a commit where the repro fails")
     parser.add_argument("--record", action="store_true",
-                        help="keep a release bisection as the finding's last "
-                        "(cbverify/upstream/bisections.json)")  # fmt: skip
+                        help="keep the bisection as the finding's last (cbverify/upstream/bisections.json): a "
+                        "release range, or with --*-src the commit")  # fmt: skip
 
 
 def _script(finding_id: str, log_dir: Path):
@@ -121,4 +123,8 @@ def _git(args, bisect, finding, script: Path, source: Path, package: str) -> int
         print(f"bisect {finding.id}: git bisect could not name the {what} between {args.good} and {args.bad}")
         return 1
     print(f"bisect {finding.id}: {what} {found.first_bad} ({found.subject})")
+    if args.record:
+        refs = (args.good, args.bad) if found.change == "introduced" else (args.bad, args.good)
+        bisect.record_commit(finding.id, package, found, refs, source)
+        print(f"recorded in {bisect.BISECTIONS}")
     return 0

@@ -356,5 +356,27 @@ def record(bisection: Bisection, path: Path | None = None) -> None:
 
     path = path or BISECTIONS
     records = json.loads(path.read_text()) if path.is_file() else {}
-    records.setdefault(bisection.finding, {})[bisection.package] = bisection.to_json()
+    kept = records.setdefault(bisection.finding, {}).get(bisection.package, {})
+    commit = {"commit": kept["commit"]} if "commit" in kept else {}  # a commit bisection of the same package stays
+    records[bisection.finding][bisection.package] = bisection.to_json() | commit
+    path.write_text(json.dumps(records, indent=2, sort_keys=True) + "\n")
+
+
+def record_commit(finding: str, package: str, found: GitBisection, refs: tuple[str, str], checkout: Path,
+                  path: Path | None = None) -> None:  # fmt: skip
+    """Keep a checkout bisection's commit beside ``package``'s release bisection of ``finding`` (``refs``: the older
+    and the newer ref searched, kept with the commits they named then)."""
+    import json
+
+    def sha(ref: str) -> str:
+        out = subprocess.run(["git", "-C", str(checkout), "rev-parse", f"{ref}^{{commit}}"], capture_output=True,
+                             text=True, check=True)  # fmt: skip
+        return out.stdout.strip()
+
+    path = path or BISECTIONS
+    records = json.loads(path.read_text()) if path.is_file() else {}
+    records.setdefault(finding, {}).setdefault(package, {})["commit"] = {
+        "sha": found.first_bad, "subject": found.subject, "change": found.change,
+        "searched": [f"{ref} ({sha(ref)[:12]})" for ref in refs], "measured": datetime.date.today().isoformat(),
+    }  # fmt: skip
     path.write_text(json.dumps(records, indent=2, sort_keys=True) + "\n")

@@ -455,12 +455,18 @@ def releases(item: Subject) -> list[str]:
     from cbverify.upstream.bisect import recorded
 
     lines = []
+    bisected = {package: b for package, b in recorded().get(item.id, {}).items() if "probes" in b}
     for package, b in sorted(recorded().get(item.id, {}).items()):
-        probes = ", ".join(f"{p['version']} {p['verdict']}" for p in b.get("probes", []))
-        lines.append(f"- **{package}, bisected** (`cbverify bisect`, measured {b.get('measured', '?')}): "
-                     f"{_describe(b)}; affected `{b.get('affected', '?')}`. Probes: {probes}.")  # fmt: skip
+        if "probes" in b:
+            probes = ", ".join(f"{p['version']} {p['verdict']}" for p in b["probes"])
+            lines.append(f"- **{package}, bisected** (`cbverify bisect`, measured {b.get('measured', '?')}): "
+                         f"{_describe(b)}; affected `{b.get('affected', '?')}`. Probes: {probes}.")  # fmt: skip
+        if c := b.get("commit"):
+            word = "fixed by" if c["change"] == "fixed" else "introduced by"
+            lines.append(f"- **{package}, commit** (`cbverify bisect --{package}-src`, measured {c['measured']}): "
+                         f"{word} `{c['sha']}` ({c['subject']}), git bisect over {' .. '.join(c['searched'])}")  # fmt: skip
     for package, spec in sorted(item.typed.items()):
-        if package not in recorded().get(item.id, {}):
+        if package not in bisected:
             lines.append(f"- **{package}**, typed range (no bisection recorded): `{spec or 'every release seen'}`")
     lines.append(f"- Verified on (the registry's evidence matrix): {item.affected}")
     return lines
