@@ -83,6 +83,33 @@ def test_vllm_passes_verify_in_processed_mode_and_in_raw_mode_declared_raw(tmp_p
     assert code == 0 and rows["vllm"]["status"] == "PASS", rows
 
 
+@pytest.mark.vllm
+@needs_vllm
+def test_verify_sizes_vllm_s_context_to_the_workload_not_to_the_checkpoint_s_positions(tmp_path):
+    """A checkpoint declaring more positions than a KV cache of vLLM's 10 % of RAM holds for one whole context (the
+    smallest power of two above twice that, from this machine's RAM and the bundled Llama's 2 KiB of KV per token:
+    2**22 on 23 GB), so vLLM built with its own default context refuses to start; verify gives it the workload's
+    longest request and it runs."""
+    import shutil
+
+    from cbverify.engines import kv_bytes_per_token
+    from reference.models import load, resolve
+
+    folder = tmp_path / "long-context"
+    shutil.copytree(resolve("tiny-llama-arith"), folder)
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    positions = 1 << int(2 * 0.1 * ram // kv_bytes_per_token(load("tiny-llama-arith")[0])).bit_length()
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"max_position_embeddings": positions}))
+    model, _ = load(folder)
+    with pytest.raises(EngineError, match="(?i)max seq len|max_model_len|kv cache"):
+        get_engine("vllm", model, checkpoint=str(folder)).generate([])
+    code = main(["verify", "--model", str(folder), "--engines", "vllm", "--num-prompts", "2", "--max-new-tokens", "8",
+                 "--dist-samples", "0", "--no-pressure", "--json", str(tmp_path / "r.json")])  # fmt: skip
+    (row,) = json.loads((tmp_path / "r.json").read_text())["engines"]
+    assert code == 0 and row["status"] == "PASS", row
+
+
 def _raw_vllm(model, **options):
     return RemoteEngine(model, engine="vllm", env="vllm", name="vllm", logprobs_mode="raw_logprobs", **options)
 

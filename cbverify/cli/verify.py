@@ -428,7 +428,7 @@ def _evaluate(name, model, requests, reference, tier, repro, dist, dist_samples,
     built = report.EngineRow(name)
     try:
         with phases(label or name, "build", row=built):
-            engine = get_engine(name, model, **(options or DEFAULT_ENGINE_OPTIONS.get(name, {})))
+            engine = get_engine(name, model, **(options or default_options(name, [*requests, *dist])))
     except NotApplicable as err:
         built.status, built.problems = "N/A", [err.reason]
         return built
@@ -466,6 +466,15 @@ CB_IMPL_EVENTS = {
     "num_shared_prefills": "shared-prompt prefills",
     "num_cow_copies": "copy-on-write block copies",
 }
+
+
+def default_options(name: str, requests) -> dict:
+    """An engine's options for the ordinary (not pressure) run. vLLM's context is the workload's longest request: its
+    own default, the checkpoint's ``max_position_embeddings``, needs a KV cache for one whole context, which its 10 %
+    of RAM can lack on a real checkpoint (8192 positions), and it then refuses to start."""
+    if name == "vllm":
+        return {"max_model_len": max(len(r.prompt_ids) + r.sampling.max_new_tokens for r in requests)}
+    return DEFAULT_ENGINE_OPTIONS.get(name, {})
 
 
 def sizable(sizing: list[dict]) -> bool:
