@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from cbverify.devices import oracle_attention
 from cbverify.divergence import Divergence, boundary_tokens, compare_tokens, decision_scores, first_divergence
-from cbverify.engines import Capabilities, LogprobSemantics
+from cbverify.engines import Capabilities, LogprobSemantics, declared_processing
 from cbverify.tolerances import FP32, Tier, logprob_scale
 from reference import logprobs as ref_logprobs
 from reference.generate import process_logits
@@ -87,8 +87,13 @@ def teacher_forced_logprobs(
     raise ValueError(f"no teacher-forced log-probs for semantics {semantics!r}")
 
 
-def _semantics_logps(logits: torch.Tensor, request: RolloutRequest, completion, semantics) -> torch.Tensor:
-    """(L, V) -> (L,): :func:`teacher_forced_logprobs` of one rollout, read off its logits."""
+def _semantics_logps(logits: torch.Tensor, request: RolloutRequest, completion, semantics,
+                     process: Callable | None = None) -> torch.Tensor:  # fmt: skip
+    """(L, V) -> (L,): :func:`teacher_forced_logprobs` of one rollout, read off its logits (``process``: a declared
+    deviation's processing instead of the spec's, ``cbverify.engines.declared_processing``)."""
+    if semantics == "processed" and process is not None and process is not process_logits:
+        values = [process(logits[i], request.sampling)[token] for i, token in enumerate(completion)]
+        return torch.stack(values) if values else torch.zeros(0, dtype=torch.float32)
     if semantics == "processed":
         return ref_logprobs.processed_logps_of(logits, completion, request.sampling)
     if semantics == "raw":
@@ -235,7 +240,9 @@ class TeacherForced:
       temperature (1 for greedy), for :func:`mismatch`;
     - ``positions``: the tier's :class:`NoisePositions`;
     - ``request_ids``: the rollouts it was computed for (a reader given another set refuses it); ``forwards``: the
-      model forwards it took (one per rollout with a completion; an empty completion needs none).
+      model forwards it took (one per rollout with a completion; an empty completion needs none);
+    - ``deviated``: ``{request_id: deviation id}`` for the requests whose ``expected`` follows a deviation the engine
+      declares (in processed semantics), not the spec.
     """
 
     semantics: LogprobSemantics
@@ -244,6 +251,7 @@ class TeacherForced:
     positions: NoisePositions
     request_ids: tuple[str, ...]
     forwards: int
+    deviated: dict[str, str] = field(default_factory=dict)
 
     def check(self, rollouts: Sequence[Rollout]) -> None:
         """Refuse a rollout set other than the one this was computed for."""
@@ -259,20 +267,25 @@ def teacher_force(
     tier: Tier,
     *,
     progress: Callable[[int], object] | None = None,
+    deviations: Sequence[str] = (),
 ) -> TeacherForced:
     """:class:`TeacherForced` for ``rollouts``: one unpadded forward per rollout (``reference.logprobs.
     completion_logits``, the oracle's own teacher forcing: the tiers were measured against it, and a padded or
     batched forward moves bf16 logits by up to a unit), copied to the host once, every quantity read off that copy.
-    ``progress(1)`` is called after each rollout."""
+    ``progress(1)`` is called after each rollout. ``deviations``: those the engine declares; a request in one's
+    domain is expected to follow it (processed semantics), and is listed in ``deviated``."""
     if semantics not in ("processed", "raw"):
         raise ValueError(f"no teacher-forced log-probs for semantics {semantics!r}")
-    expected, trainer, units, cuts, forwards = [], [], [], [], 0
+    expected, trainer, units, cuts, forwards, deviated = [], [], [], [], 0, {}
     for request, rollout in zip(requests, rollouts, strict=True):
         completion = rollout.completion_ids
         forwards += bool(completion)  # completion_logits runs no forward for an empty completion
         with oracle_attention():  # no per-shape cuDNN plans (cbverify.devices)
             logits = ref_logprobs.completion_logits(model, request.prompt_ids, completion).cpu()  # (L, V)
-        expected.append(_semantics_logps(logits, request, completion, semantics))  # (L,)
+        deviation, process = declared_processing(deviations, request.sampling)
+        if deviation is not None and semantics == "processed":
+            deviated[request.request_id] = deviation
+        expected.append(_semantics_logps(logits, request, completion, semantics, process))  # (L,)
         trainer.append(ref_logprobs.logps_of(logits, completion, trainer_temperature(request)))  # (L,)
         processed = expected[-1] if semantics == "processed" else None
         unit, cut = _positions_of(logits, request, rollout, semantics, tier, processed=processed)
@@ -282,7 +295,7 @@ def teacher_force(
             progress(1)
     positions = NoisePositions(units, cuts, tier.logprob_max_abs)
     ids = tuple(r.request_id for r in rollouts)
-    return TeacherForced(semantics, expected, trainer, positions, ids, forwards)
+    return TeacherForced(semantics, expected, trainer, positions, ids, forwards, deviated)
 
 
 def judge_logprobs(

@@ -39,7 +39,7 @@ import torch
 from scipy import stats
 
 from cbverify.divergence import boundary_tokens
-from cbverify.engines import Engine
+from cbverify.engines import Engine, declared_processing
 from cbverify.tolerances import DISTRIBUTION_ALPHA, Tier
 from reference import logprobs as ref_logprobs
 from reference.generate import process_logits
@@ -273,7 +273,8 @@ def chi_square_node(
     return p, worst, observed.get(worst, 0), float(expected[worst])
 
 
-def noise_bounds(logits: torch.Tensor, sampling, noise: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def noise_bounds(logits: torch.Tensor, sampling, noise: float,
+                 process=process_logits) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(basis, lo, hi)`` (V,) each: the set of processed distributions within ``noise`` per logit of ``logits``'
     under ``sampling``, cut boundaries included, as token weights: a kept token's weight ``v`` (its processed
     probability) may move to ``v e^(±d)`` (``d = noise / T``), a token at a cut (``divergence.boundary_tokens``) to
@@ -281,11 +282,12 @@ def noise_bounds(logits: torch.Tensor, sampling, noise: float) -> tuple[torch.Te
     cut had kept it; a kept one may be cut), every other token stays at 0. ``basis``: ``v`` normalised, the
     reference's distribution extended to the cut tokens, from which the bins are built. The set holds every
     ``process(logits + ε)``, ``|ε| <= noise`` (a kept set changes only by cut tokens, and the renormalisation is the
-    common ``sum(w)``); it is larger where the cuts' choices are tied, so the test stays valid."""
+    common ``sum(w)``); it is larger where the cuts' choices are tied, so the test stays valid. ``process``: a
+    declared deviation's processing instead of the spec's (its cut tokens are still found by the spec's processors)."""
     from reference.generate import apply_temperature
 
     d = noise / sampling.temperature
-    processed = process_logits(logits, sampling).exp().double()  # (V,)
+    processed = process(logits, sampling).exp().double()  # (V,)
     kept = processed > 0  # (V,)
     full = torch.softmax(apply_temperature(logits.double(), sampling.temperature), dim=-1)  # (V,)
     v = torch.where(kept, processed, full / full[kept].sum())  # (V,)
@@ -297,7 +299,7 @@ def noise_bounds(logits: torch.Tensor, sampling, noise: float) -> tuple[torch.Te
 
 
 def node_tests(model, request: RolloutRequest, samples: Sequence[Rollout], *, min_count: int,
-               tier: Tier | None = None, within_noise: bool = True) -> list[NodeTest]:  # fmt: skip
+               tier: Tier | None = None, within_noise: bool = True, process=process_logits) -> list[NodeTest]:  # fmt: skip
     """Chi-square tests at every (position, prefix) node visited by at least ``min_count`` samples; with ``tier``,
     the null is every distribution within its noise of the reference's, cut boundaries included (:func:`noise_bounds`;
     ``NodeTest.at_cut`` counts the draws of tokens at a cut). ``within_noise=False``: the earlier test, the cut's
@@ -313,14 +315,14 @@ def node_tests(model, request: RolloutRequest, samples: Sequence[Rollout], *, mi
         if sum(counts.values()) < min_count:
             continue
         logits = ref_logprobs.completion_logits(model, request.prompt_ids, [*prefix, 0])[-1].cpu()  # (V,)
-        probs = process_logits(logits, request.sampling).exp()  # (V,), processed on the host: no per-op device sync
+        probs = process(logits, request.sampling).exp()  # (V,), processed on the host: no per-op device sync
         at_cut, bounds = 0, None
         if tier is not None:
             noise = tier.near_tie_gap / 2 * tier.unit(float(logits.abs().max()))  # logit units, as compare's
             edge = boundary_tokens(logits, request.sampling, noise)  # (V,)
             at_cut = sum(c for t, c in counts.items() if edge[t])
             if within_noise:  # the null: every distribution within the noise, cut tokens in or out
-                probs, lo, hi = noise_bounds(logits, request.sampling, noise)
+                probs, lo, hi = noise_bounds(logits, request.sampling, noise, process)
                 bounds = (lo, hi)
             elif bool(edge.any()):  # the cut's tokens left out on both sides, the reference's distribution otherwise
                 counts = Counter({t: c for t, c in counts.items() if not edge[t]})
@@ -357,7 +359,9 @@ def distribution_test(
     tier: Tier | None = None,
 ) -> DistributionResult:
     """Sample each (sampled) request ``num_samples`` times through ``engine`` in one call, test every node, Holm;
-    ``tier``: leave out the tokens at a processor cut within its noise (module docstring)."""
+    ``tier``: leave out the tokens at a processor cut within its noise (module docstring). A request in the domain of
+    a deviation the engine declares is tested against that deviation's distribution
+    (``cbverify.engines.declared_processing``)."""
     if not 0 < alpha < 1:
         raise ValueError(f"alpha must be in (0, 1), got {alpha}")
     if num_samples < min_count:
@@ -366,6 +370,7 @@ def distribution_test(
     rollouts = engine.generate(batch)
     tests: list[NodeTest] = []
     for k, request in enumerate(requests):
+        _, process = declared_processing(getattr(engine.capabilities, "deviations", ()), request.sampling)
         tests += node_tests(model, request, rollouts[k * num_samples : (k + 1) * num_samples], min_count=min_count,
-                            tier=tier)  # fmt: skip
+                            tier=tier, process=process)  # fmt: skip
     return DistributionResult(alpha, tuple(tests), holm(tests, alpha))

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from cbverify import compare
 from cbverify.distribution import DistributionResult, distribution_test
-from cbverify.engines import Engine, NotApplicable, clock
+from cbverify.engines import DEVIATIONS, Engine, NotApplicable, clock
 from cbverify.tolerances import Tier
 from reference.spec import Rollout, RolloutRequest
 
@@ -147,7 +147,12 @@ def evaluate_engine(
                                                 "spec (own RNG, sampled)"))  # fmt: skip
     if caps.logprob_semantics != "none":
         with phase("teacher forcing", len(rollouts)) as advance:
-            forced = compare.teacher_force(model, requests, rollouts, caps.logprob_semantics, tier, progress=advance)
+            forced = compare.teacher_force(model, requests, rollouts, caps.logprob_semantics, tier, progress=advance,
+                                           deviations=caps.deviations)  # fmt: skip
+        for deviation in sorted(set(forced.deviated.values())):
+            n = sum(d == deviation for d in forced.deviated.values())
+            row.notes.append(f"declared deviation {deviation}: {n} request(s) judged in the engine's own processing "
+                             f"({DEVIATIONS[deviation].description})")  # fmt: skip
         row.teacher_forced_forwards = forced.forwards
         with phase("judge"):
             diff = compare.judge_logprobs(model, requests, rollouts, caps.logprob_semantics, tier, forced=forced)

@@ -197,6 +197,20 @@ class Deviation:
     description: str
     applies: Callable[[SamplingParams], bool]
     example: SamplingParams
+    # the engine's processed log-probs in the domain: (V,) raw logits, sampling -> (V,), as the spec's process_logits
+    process: Callable[[torch.Tensor, SamplingParams], torch.Tensor]
+
+
+def _min_p_first(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """``reference.generate.process_logits`` in vLLM's order: temperature, min-p, top-k, top-p, then ``log_softmax``
+    (the spec's processors, each as the oracle applies it)."""
+    from reference.generate import apply_min_p, apply_temperature, apply_top_k, apply_top_p
+
+    scores = logits.to(torch.float32)
+    if sampling.greedy:
+        return torch.log_softmax(scores, dim=-1)
+    scores = apply_min_p(apply_temperature(scores, sampling.temperature), sampling.min_p)
+    return torch.log_softmax(apply_top_p(apply_top_k(scores, sampling.top_k), sampling.top_p), dim=-1)
 
 
 DEVIATIONS: dict[str, Deviation] = {
@@ -208,9 +222,24 @@ DEVIATIONS: dict[str, Deviation] = {
             "(min-p and top-k commute, so only requests with both min-p and top-p differ)",
             lambda s: s.min_p > 0 and s.top_p < 1,
             SamplingParams(temperature=1.5, top_p=0.9, min_p=0.1, max_new_tokens=8),
+            _min_p_first,
         ),
     )
 }
+
+
+def declared_processing(
+    deviations: Sequence[str], sampling: SamplingParams
+) -> tuple[str | None, Callable[[torch.Tensor, SamplingParams], torch.Tensor]]:
+    """``(deviation id or None, process)``: how an engine declaring ``deviations`` processes logits under
+    ``sampling``: a declared deviation's own processing in its domain, else the spec's ``process_logits``. A request
+    in such a domain is judged against what the engine declares it does (verify names the deviation it applied)."""
+    from reference.generate import process_logits
+
+    applying = [d for d in deviations if DEVIATIONS[d].applies(sampling)]
+    if len(applying) > 1:
+        raise ValueError(f"deviations {applying} all apply to {sampling}: their order is not defined")
+    return (applying[0], DEVIATIONS[applying[0]].process) if applying else (None, process_logits)
 
 
 @dataclass(slots=True)
