@@ -198,7 +198,8 @@ def test_after_an_in_place_weight_update_the_next_call_follows_the_new_weights(
 
 def test_declared_deviations_are_real(engine, conformance_model):
     """A declared deviation narrows what the suite draws for the engine, so it must be real: on the deviation's
-    example (8 prompts) the engine's processed log-probs differ from the spec's beyond the float32 tier."""
+    example (8 prompts) the engine's processed log-probs differ from the spec's beyond the float32 tier, and follow
+    the deviation's own processing (``Deviation.process``, what verify judges them by) within it."""
     if not engine.capabilities.deviations:
         pytest.skip("the engine declares no deviations")
     if engine.capabilities.logprob_semantics != "processed":
@@ -213,4 +214,10 @@ def test_declared_deviations_are_real(engine, conformance_model):
         assert diff.max_abs > FP32.logprob_max_abs, (
             f"the engine declares the deviation {deviation.id!r} but follows the spec there (max |dlogp| "
             f"{diff.max_abs:.3g} on {deviation.example}): the declaration only hides requests from the suite"
+        )
+        own = compare.teacher_force(conformance_model, requests, got, "processed", FP32, deviations=(deviation.id,))
+        held = compare.logprob_diffs(got, own.expected, requests)
+        assert held.max_abs <= FP32.logprob_max_abs, (
+            f"the engine declares {deviation.id!r} but does not follow its processing either (max |dlogp| "
+            f"{held.max_abs:.3g})"
         )
