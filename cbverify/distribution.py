@@ -298,8 +298,8 @@ def noise_bounds(logits: torch.Tensor, sampling, noise: float,
     return v / v.sum(), lo, v * math.exp(d)
 
 
-def node_tests(model, request: RolloutRequest, samples: Sequence[Rollout], *, min_count: int,
-               tier: Tier | None = None, within_noise: bool = True, process=process_logits) -> list[NodeTest]:  # fmt: skip
+def node_tests(model, request: RolloutRequest, samples: Sequence[Rollout], *, min_count: int, tier: Tier | None = None,
+               within_noise: bool = True, process=process_logits) -> list[NodeTest]:  # fmt: skip
     """Chi-square tests at every (position, prefix) node visited by at least ``min_count`` samples; with ``tier``,
     the null is every distribution within its noise of the reference's, cut boundaries included (:func:`noise_bounds`;
     ``NodeTest.at_cut`` counts the draws of tokens at a cut). ``within_noise=False``: the earlier test, the cut's

@@ -104,7 +104,12 @@ def _top_k_after_top_p(logits: torch.Tensor, sampling: SamplingParams) -> torch.
     return torch.log_softmax(scores, dim=-1)
 
 
-class TopKAfterTopP(_Faulty):
+class OwnProcessing(_Faulty):
+    """The oracle's loop with another processing: greedy argmax, else Gumbel-max with the spec's noise over
+    ``process(logits, sampling)``, whose log-probs it returns."""
+
+    process = staticmethod(ref_gen.process_logits)
+
     def generate(self, requests):
         return [self._one(r) for r in requests]
 
@@ -112,7 +117,7 @@ class TopKAfterTopP(_Faulty):
         prefix, completion, logprobs, reason = list(request.prompt_ids), [], [], "length"
         for position in range(request.sampling.max_new_tokens):
             logits = ref_gen.next_token_logits(self.model, prefix)  # (V,)
-            processed = _top_k_after_top_p(logits, request.sampling)  # (V,)
+            processed = self.process(logits, request.sampling)  # (V,)
             if request.sampling.greedy:
                 token = int(torch.argmax(logits))
             else:
@@ -125,6 +130,10 @@ class TopKAfterTopP(_Faulty):
                 reason = "stop"
                 break
         return Rollout(request.request_id, request.prompt_ids, tuple(completion), tuple(logprobs), reason)
+
+
+class TopKAfterTopP(OwnProcessing):
+    process = staticmethod(_top_k_after_top_p)
 
 
 class OwnRNG(_Faulty):

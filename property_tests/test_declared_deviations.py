@@ -6,47 +6,29 @@ follow. vLLM's declared ``min-p-before-top-p`` is the case (vLLM under the examp
 from __future__ import annotations
 
 import pytest
-import torch
 
 from cbverify import report
 from cbverify.engines import DEVIATIONS, Capabilities, declared_processing
 from cbverify.tolerances import FP32
+from property_tests import faulty
 from reference import tasks
-from reference.generate import generate, next_token_logits, process_logits
-from reference.spec import Rollout, RolloutRequest, gumbel_noise
+from reference.generate import generate, process_logits
+from reference.spec import RolloutRequest
 
 MIN_P_FIRST = DEVIATIONS["min-p-before-top-p"]
 
 
-class ProcessesItsOwnWay:
-    """An own-RNG engine whose processed distribution is ``process``: Gumbel-max with the spec's noise over those
-    log-probs, which it returns; it declares ``declares``."""
-
-    name = "own-processing"
+class ProcessesItsOwnWay(faulty.OwnProcessing):
+    """An own-RNG engine whose processed distribution is ``process`` (the spec's noise, so only the processing
+    differs); it declares ``declares``."""
 
     def __init__(self, model, process, declares: tuple[str, ...]) -> None:
-        self.model, self.process, self.last_run = model, process, None
+        super().__init__(model)
+        self.process, self.last_run = process, None
         self.capabilities = Capabilities(spec_sampling=False, per_request_max_new_tokens=True,
                                          per_request_sampling=True, per_request_eos=True,
                                          logprob_semantics="processed", claims_batch_invariance=True,
                                          deviations=declares)  # fmt: skip
-
-    def generate(self, requests):
-        return [self._one(r) for r in requests]
-
-    def _one(self, request: RolloutRequest) -> Rollout:
-        prefix, completion, logprobs, reason = list(request.prompt_ids), [], [], "length"
-        for position in range(request.sampling.max_new_tokens):
-            processed = self.process(next_token_logits(self.model, prefix), request.sampling)  # (V,)
-            noise = gumbel_noise(torch.tensor([request.seed]), torch.tensor([position]), processed.numel())[0]
-            token = int(torch.argmax(processed.double() + noise))
-            prefix.append(token)
-            completion.append(token)
-            logprobs.append(float(processed[token]))
-            if token in request.eos_token_ids:
-                reason = "stop"
-                break
-        return Rollout(request.request_id, request.prompt_ids, tuple(completion), tuple(logprobs), reason)
 
 
 def _requests(sampling, n: int = 6) -> list[RolloutRequest]:

@@ -1,6 +1,6 @@
-"""The trainer's precision is its own config's: ``trainer_precision_follows_its_config`` catches a trainer that inherits
-bf16 from one built before it in the process (transformers 4.x, planted here on the installed release), and the
-upstream harness keeps one scenario's precision out of the next."""
+"""The trainer's precision is its own config's: ``trainer_precision_follows_its_config`` catches a trainer that
+inherits bf16 from one built before it in the process (transformers 4.x, planted here on the installed release), and
+the upstream harness keeps one scenario's precision out of the next."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ CHECK = "trainer_precision_follows_its_config"
 
 @pytest.fixture
 def writes_its_precision_to_the_environment(monkeypatch):
-    """transformers 4.x's ``TrainingArguments.__post_init__``: its bf16 choice written to ``ACCELERATE_MIXED_PRECISION``,
-    which every later ``TrainingArguments`` reads as its default (the installed release reads it too)."""
+    """transformers 4.x's ``TrainingArguments.__post_init__``: its bf16 choice written to
+    ``ACCELERATE_MIXED_PRECISION``, which every later ``TrainingArguments`` reads as its default (the installed release
+    reads it too)."""
     from transformers import TrainingArguments
 
     original = TrainingArguments.__post_init__

@@ -462,7 +462,12 @@ FINDINGS: tuple[Finding, ...] = (
         "generates and is trained on prompts without it: prompt ids [19, 17, ...] instead of [1, 19, 17, ...] "
         "for 'Q:97+53+5\\n'; the generation and the loss see a context the model never saw in pre-training",
         repro=TrainerScenario(
-            path="generate", trainer="rloo", top_p=0.8, num_generations=2, num_prompts=2, max_completion_length=6,
+            path="generate",
+            trainer="rloo",
+            top_p=0.8,
+            num_generations=2,
+            num_prompts=2,
+            max_completion_length=6,
             max_steps=1,
         ),
         repro_model="tiny-llama-arith",
@@ -482,12 +487,18 @@ FINDINGS: tuple[Finding, ...] = (
         "5.0.0 and later",
         evidence="TrainingArguments.__post_init__ takes ACCELERATE_MIXED_PRECISION from the environment as its "
         "default and writes its own choice back (os.environ['ACCELERATE_MIXED_PRECISION'] = 'bf16'), so every later "
-        "TrainingArguments of the process starts from bf16 and its Trainer's Accelerator autocasts although the config "
-        "says bf16=False: the float32 RLOO run after a bf16 GRPO run computes its per-token log-probs 5.63e-05 off "
-        "the float32 reference (5e-07 alone, fp32 tier 5e-05); a forward under its autocast is 2.4e-03 off",
+        "TrainingArguments of the process starts from bf16 and its Trainer's Accelerator autocasts although the "
+        "config says bf16=False: the float32 RLOO run after a bf16 GRPO run computes its per-token log-probs "
+        "5.63e-05 off the float32 reference (5e-07 alone, fp32 tier 5e-05); a forward under its autocast is 2.4e-03 "
+        "off",
         repro=TrainerScenario(
-            path="generate", greedy=True, after_bf16_trainer=True, num_generations=2, num_prompts=2,
-            max_completion_length=6, max_steps=1,
+            path="generate",
+            greedy=True,
+            after_bf16_trainer=True,
+            num_generations=2,
+            num_prompts=2,
+            max_completion_length=6,
+            max_steps=1,
         ),
         repro_model="tiny-llama-arith",
         transformers="<5.0",

@@ -463,8 +463,9 @@ def releases(item: Subject) -> list[str]:
                          f"{_describe(b)}; affected `{b.get('affected', '?')}`. Probes: {probes}.")  # fmt: skip
         if c := b.get("commit"):
             word = "fixed by" if c["change"] == "fixed" else "introduced by"
+            searched = " .. ".join(c["searched"])
             lines.append(f"- **{package}, commit** (`cbverify bisect --{package}-src`, measured {c['measured']}): "
-                         f"{word} `{c['sha']}` ({c['subject']}), git bisect over {' .. '.join(c['searched'])}")  # fmt: skip
+                         f"{word} `{c['sha']}` ({c['subject']}), git bisect over {searched}")  # fmt: skip
     for package, spec in sorted(item.typed.items()):
         if package not in bisected:
             lines.append(f"- **{package}**, typed range (no bisection recorded): `{spec or 'every release seen'}`")

@@ -46,10 +46,14 @@ def main() -> int:
         with second.accelerator.autocast():
             autocast = torch.log_softmax(model(ids).logits.float(), -1)
     gap = float((plain - autocast).abs().max())
-    print("expected: the second trainer (TrainingArguments(bf16=False)) has mixed precision 'no', and its forward "
-          "equals a float32 forward")
-    print(f"observed: mixed precision {second.accelerator.mixed_precision!r}, ACCELERATE_MIXED_PRECISION="
-          f"{os.environ.get('ACCELERATE_MIXED_PRECISION')!r}, its forward's log-probs off float32 by {gap:.2e}")
+    print(
+        "expected: the second trainer (TrainingArguments(bf16=False)) has mixed precision 'no', and its forward "
+        "equals a float32 forward"
+    )
+    print(
+        f"observed: mixed precision {second.accelerator.mixed_precision!r}, ACCELERATE_MIXED_PRECISION="
+        f"{os.environ.get('ACCELERATE_MIXED_PRECISION')!r}, its forward's log-probs off float32 by {gap:.2e}"
+    )
     return 1 if second.accelerator.mixed_precision == "bf16" else 0
 
 
