@@ -130,6 +130,14 @@ MEASURED = [
     ("cb-persistent-fork-of-a-cached-whole-page-prompt-crashes", "engine-crash",  # 5.17.0
      f"generation thread died: RuntimeError('{RESHAPE}')",
      "generation thread died: IndexError('too many indices for tensor of dimension 1')"),
+    ("cb-fork-of-a-prompt-one-past-cached-pages-crashes", "engine-crash",  # 5.24.0, its repro; the other: a view of
+     f"generation thread died: RuntimeError('{RESHAPE}')",  # another shape (cb_impl's empty sampler step)
+     "generation thread died: RuntimeError('cannot reshape tensor of 0 elements into shape [0, -1, 64] because the "
+     "unspecified dimension size -1 can be any value and is ambiguous')"),
+    ("cb-fork-of-a-prompt-one-past-cached-pages-crashes", "request-failed",  # 5.24.0, 5.18.0
+     f"'req_1': {RESHAPE}", "'req_1': No requests can be scheduled and no requests can be offloaded."),
+    ("cb-fork-of-a-prompt-one-past-cached-pages-crashes", "result-count",  # 5.8.0; the other: one per input, as the
+     "1 results for 2 inputs x 2: ['req_0']", "2 results for 2 inputs x 2: ['req_0', 'req_1']"),  # same case unshared
     ("cb-fork-without-room-kills-the-loop", "engine-crash",  # 5.9.0
      "generation thread died: ValueError('Failed to fork blocks for request req_0')",
      "generation thread died: ValueError('No free blocks left')"),

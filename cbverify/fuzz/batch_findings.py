@@ -76,6 +76,26 @@ def _prefix_cached(case: FuzzCase, whole: bool = False) -> bool:
     return False
 
 
+def _forked_prompt_one_past_cached_pages(case: FuzzCase) -> bool:
+    """generate_batch with block sharing on and num_return_sequences > 1 in a config, and a prompt one token past a
+    whole number of pages (at least one) whose pages another prompt of the same manager starts with: the same input
+    twice in a call (TRL's group), or asked again by a later call of a persistent manager."""
+    if case.entry != "generate_batch" or case.config.get("allow_block_sharing") is False:
+        return False
+    if not _asks(case, "num_return_sequences", lambda v: (v or 1) > 1):
+        return False
+    page = case.config.get("page_size") or compat.DEFAULT_PAGE_SIZE
+    calls = [case.calls] if case.persistent else [[s] for s in case.calls]  # the calls each manager serves
+    for served in calls:
+        prompts = [r.prompt_ids for s in served for r in s.requests]
+        for i, p in enumerate(prompts):
+            head = len(p) - 1
+            if head >= page and head % page == 0:
+                if any(j != i and len(q) >= len(p) and q[:head] == p[:head] for j, q in enumerate(prompts)):
+                    return True
+    return False
+
+
 def _prefix_cached_before_a_change(case: FuzzCase) -> bool:
     """A persistent manager sharing blocks, and a call after a training step or weight update whose prompt starts
     with a whole page of a prompt some call before that change had."""
@@ -104,7 +124,15 @@ LENGTH_WITHOUT_EOS = r"^request '[^']+': finish_reason 'length' with \d+/\d+ tok
 NGRAM_REPEATED = r"^'[^']+': token \d+ at \d+ repeats a \d+-gram: "
 OUT_OF_VOCAB = r"index \d+ is out of bounds for dimension 1 with size \d+"
 RESHAPE_NOTHING = r"cannot reshape tensor of 0 elements into shape "
+EMPTY_BATCH = RESHAPE_NOTHING + r"\[1, 0, -1, \d+\]"  # the attention's view of a batch of 0 query tokens
 NO_ROOM_TO_FORK = r"Failed to fork blocks for request \S+"
+
+
+def an_input_lost(case: FuzzCase, seen: dict) -> str | None:
+    """Result count: fewer results than inputs (a whole input's request never came back; a release that drops forked
+    sequences still returns one per input)."""
+    got, inputs = int(seen["got"]), int(seen["inputs"])
+    return None if got < inputs else f"{got} results, not fewer than the {inputs} inputs"
 
 
 def as_configured(case: FuzzCase, seen: dict) -> str | None:
@@ -397,6 +425,41 @@ BATCH_FINDINGS += (
         },
         affected="transformers 5.8.1, 5.9.0, 5.16.1, 5.17.0; not 5.18.0 to 5.24.0 (the repro in each venv)",
         transformers="<5.18",
+    ),
+    FuzzFinding(
+        id="cb-fork-of-a-prompt-one-past-cached-pages-crashes",
+        engine="transformers-cb",
+        checks=("engine-crash", "request-failed", "result-count"),
+        when="generate_batch, block sharing on, num_return_sequences > 1, and a prompt one token past whole pages "
+        "whose pages another prompt of the same manager starts with (the same input twice in a call, as TRL's group)",
+        applies=_forked_prompt_one_past_cached_pages,
+        evidence="page_size=4, the same 5-token prompt as two inputs of one call, do_sample=True, "
+        "num_return_sequences=2, max_batch_tokens=2: the generation thread dies with RuntimeError('cannot reshape "
+        "tensor of 0 elements into shape [1, 0, -1, 32] ...') and the second input comes back failed or not at all. "
+        "Scheduler._infer_request_tokens (continuous_batching/scheduler.py) gives the second copy the first's cached "
+        "whole pages (PagedAttentionCache.search_prefix_match leaves the one token after them), then "
+        "Scheduler._schedule_request, as the request still has children to fork, holds that last token back for the "
+        "fork (token_budget = len(request_tokens) - 1 = 0) and schedules it with no token to process; alone in its "
+        "batch (max_batch_tokens=2 keeps it waiting until the first input's two sequences are done) the batch has 0 "
+        "query tokens and the attention's view raises (traced on 5.24.0: req_1 PREFILLING, 1 token left at offset "
+        "4, 1 child, 0 scheduled). Not with allow_block_sharing=False, one input, n=1, or a prompt of whole pages; "
+        "the fuzz's shrunk case had a 33-token prompt and page_size=16",
+        repro=_batch(
+            _inputs(0, ARITH[:5], ARITH[:5], max_new_tokens=2),
+            generation={"do_sample": True, "num_return_sequences": 2, "eos_token_id": 2, "max_new_tokens": 2},
+            max_batch_tokens=2,
+            allow_block_sharing=True,
+        ),
+        predicts={
+            "engine-crash": crash("RuntimeError", EMPTY_BATCH),
+            "request-failed": failed(EMPTY_BATCH),
+            "result-count": Prediction(RESULTS, an_input_lost),  # 5.8.0: the death unread, the input never back
+        },
+        affected="transformers 5.8.0, 5.10.1, 5.10.4, 5.11.0, 5.12.0, 5.15.1, 5.18.0, 5.24.0: every release run (the "
+        "standalone repro in each venv exits 1; 5.10.1 to 5.15.1: the thread dies with the RuntimeError and the "
+        "second input never comes back; 5.18.0 and 5.24.0: it also comes back failed with it; 5.8.0: the same "
+        "RuntimeError in transformers' log, the thread's death not readable, 1 result for 2 inputs x 2 where "
+        "sharing off gives 2); with allow_block_sharing=False no release raises it",
     ),
     FuzzFinding(
         id="cb-fork-without-room-kills-the-loop",
