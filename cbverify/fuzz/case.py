@@ -5,7 +5,9 @@ A :class:`FuzzCase` is what the fuzzer draws, what a failure is shrunk over and 
 ``EngineConfig`` fields; hf-generate: adapter options) and ``generation`` the manager-wide generation options a user
 puts in the ``GenerationConfig`` (``do_sample``, ``min_new_tokens``, ``repetition_penalty``, ``min_p``).
 Requests carry what a user passes per request: transformers CB's per-request ``temperature`` / ``top_k`` /
-``top_p`` keyword arguments are passed as drawn (``top_k=0`` included), never translated.
+``top_p`` keyword arguments are passed as drawn (``top_k=0`` included), never translated. With
+``per_request_processors`` an option a request leaves unset takes the manager's ``GenerationConfig`` value, which the
+session sets to :data:`PER_REQUEST_PLACEHOLDERS`; the oracle reads it so (:meth:`FuzzRequest.sampling`).
 
 ``entry`` says which transformers CB entry point runs the calls: ``manager`` (the request API) or
 ``generate_batch`` (``model.generate_batch``, TRL's). For ``generate_batch`` ``generation`` is the
@@ -22,6 +24,14 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
 from reference.spec import RolloutRequest, SamplingParams
+
+# transformers CB with per_request_processors builds a per-request processor only for an option the manager's
+# GenerationConfig sets to a value that acts (temperature != 1, top_k, top_p < 1), so the manager session
+# (cbverify.fuzz.drivers) and the repro script set these there (top_k: the vocabulary size, which cuts nothing). A
+# request that passes no value of its own is processed with the config's: ContinuousBatchingTopPLogitsWarper's
+# prepare_tensor_args reads logit_processor_kwargs.get("top_p", self.top_p), so an unset per-request top_p is 0.999
+# (the last 0.1% of the mass cut: sampled log-probs up to -log(0.999) = 1.0e-3 above a reading of 1.0).
+PER_REQUEST_PLACEHOLDERS = {"temperature": 0.5, "top_p": 0.999}
 
 StepKind = Literal["call", "train", "update_weights"]
 Entry = Literal["manager", "generate_batch"]
@@ -45,17 +55,20 @@ class FuzzRequest:
     top_p: float | None = None
     seed: int = 0
 
-    def sampling(self, generation: dict) -> SamplingParams:
-        """The oracle's reading of the request: ``top_k=0`` means "no top-k", as in a ``GenerationConfig``."""
+    def sampling(self, generation: dict, per_request: bool = False) -> SamplingParams:
+        """The oracle's reading of the request: ``top_k=0`` means "no top-k", as in a ``GenerationConfig``;
+        ``per_request`` (transformers CB with ``per_request_processors``): an unset ``top_p`` is the manager config's
+        :data:`PER_REQUEST_PLACEHOLDERS` value, else an unset one is 1.0."""
         greedy = self.temperature == 0.0 or not generation.get("do_sample", True)
+        unset_top_p = PER_REQUEST_PLACEHOLDERS["top_p"] if per_request else 1.0
         return SamplingParams(
             temperature=0.0 if greedy else self.temperature, top_k=0 if greedy else (self.top_k or 0),
-            top_p=1.0 if greedy or self.top_p is None else self.top_p,
+            top_p=1.0 if greedy else unset_top_p if self.top_p is None else self.top_p,
             min_p=0.0 if greedy else float(generation.get("min_p") or 0.0), max_new_tokens=self.max_new_tokens,
         )  # fmt: skip
 
-    def rollout_request(self, generation: dict) -> RolloutRequest:
-        sampling = self.sampling(generation)
+    def rollout_request(self, generation: dict, per_request: bool = False) -> RolloutRequest:
+        sampling = self.sampling(generation, per_request)
         return RolloutRequest(self.request_id, self.prompt_ids, sampling, self.seed, self.eos_token_ids)
 
 
@@ -89,6 +102,13 @@ class FuzzCase:
     @property
     def requests(self) -> list[FuzzRequest]:
         return [r for s in self.calls for r in s.requests]
+
+    @property
+    def per_request(self) -> bool:
+        """transformers CB's request API sampling with ``per_request_processors``: each request passes its own
+        options, and an option it leaves unset is the manager config's (:data:`PER_REQUEST_PLACEHOLDERS`)."""
+        sampled = bool(self.generation.get("do_sample")) and bool(self.config.get("per_request_processors"))
+        return self.engine == "transformers-cb" and self.entry == "manager" and sampled
 
     def generation_of(self, step: Step) -> dict:
         """The generation options ``step`` runs with (generate_batch: a call may carry its own)."""

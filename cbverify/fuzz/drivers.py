@@ -5,7 +5,9 @@ of that engine's API would, recording every raw output and what happened inside 
   ``get_result`` / ``stop``), with the drawn ``ContinuousBatchingConfig``; persistent sessions keep one manager
   running across calls and change the model inside ``manager.pause()``. Per-request ``temperature`` / ``top_k`` /
   ``top_p`` are passed exactly as drawn (``per_request_processors=True`` needs processors built at creation, so the
-  ``GenerationConfig`` then carries non-default placeholders, as transformers' documentation says to do).
+  ``GenerationConfig`` then carries non-default placeholders, as transformers' documentation says to do; an option a
+  request leaves unset is processed with its placeholder, which the oracle reads too:
+  ``cbverify.fuzz.case.PER_REQUEST_PLACEHOLDERS``).
 - ``cb_impl``: ``LLMEngine`` with the drawn ``EngineConfig``; persistent sessions reuse one engine.
 - ``hf-generate``: the adapter (stateless between calls).
 - ``vllm``: the adapter in its worker (``cbverify env build vllm``), one per case with the drawn scheduler options
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cbverify.engines import transformers_compat as compat
-from cbverify.fuzz.case import FuzzCase, Step
+from cbverify.fuzz.case import PER_REQUEST_PLACEHOLDERS, FuzzCase, Step
 from reference.models import perturb
 
 CALL_TIMEOUT_S = 120.0  # a call on the tiny bundled models takes ~1 s; a hang is reported as a lost request
@@ -235,7 +237,7 @@ class Session:
         if kw["do_sample"]:
             kw["min_p"] = g.get("min_p")
             if self.case.config.get("per_request_processors"):  # processors must exist to take per-request values
-                kw.update(temperature=0.5, top_k=cfg.vocab_size, top_p=0.999)
+                kw.update(PER_REQUEST_PLACEHOLDERS, top_k=cfg.vocab_size)  # a request's unset option is these
             else:  # one shared setting: the first request's
                 first = self.case.requests[0]
                 kw.update(temperature=first.temperature, top_k=first.top_k, top_p=first.top_p)

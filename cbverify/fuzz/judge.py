@@ -63,7 +63,7 @@ def judge_call(model, case: FuzzCase, step: Step, result: CallResult) -> list[Fa
     for o in result.raw:
         if o.error is not None:
             out.append(Failure("request-failed", f"{o.request_id!r}: {o.error}"[:300]))
-    requests = [r.rollout_request(case.generation) for r in step.requests]
+    requests = [r.rollout_request(case.generation, case.per_request) for r in step.requests]
     pairs = [(q, o) for q, o in zip(requests, result.ordered, strict=True) if o is not None and o.error is None]
     rollouts = [_rollout(q, o) for q, o in pairs]
     present = [q for q, _ in pairs]

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cbverify.fuzz.case import FuzzCase
+from cbverify.fuzz.case import PER_REQUEST_PLACEHOLDERS, FuzzCase
 from cbverify.tolerances import BOUNDARY_RELAX, FP32
 from reference.models import resolve
 
@@ -97,6 +97,7 @@ def script_text(case: FuzzCase, check: str | Sequence[str], detail: str = "") ->
         tol=FP32.logprob_max_abs,
         relax=BOUNDARY_RELAX,
         near_tie=FP32.near_tie_gap,
+        placeholders=PER_REQUEST_PLACEHOLDERS,
         detail=detail,
     )
 
