@@ -85,8 +85,9 @@ class Report:
             cls.examples += 1
 
 
-def planned_cases(engine: str, entry: str, *, model_name: str, examples: int, seed: int = 0,
-                  drop: tuple[tuple[str, str], ...] = ()) -> list[FuzzCase]:
+def planned_cases(
+    engine: str, entry: str, *, model_name: str, examples: int, seed: int = 0, drop: tuple[tuple[str, str], ...] = ()
+) -> list[FuzzCase]:
     """The cases of a run's deterministic prefix (transformers CB; none for other engines): the covering rows of the
     entry's pair space, then value rows for half of the cases left, each made concrete from the entry's strategy with
     those values forced (``cbverify.pairs.Plan``); the same for the same seed. ``drop``: pairs left out."""
@@ -94,11 +95,14 @@ def planned_cases(engine: str, entry: str, *, model_name: str, examples: int, se
     if space is None:
         return []
     if entry == "generate_batch":
+
         def make(row):
             return batch_cases(model=model_name, force=row)
     else:
+
         def make(row):
             return fuzz_cases(engine=engine, model=model_name, force=row)
+
     rows = Plan.of(space, drop=drop).rows(examples)
     return [concrete(make(row), seed * 100_003 + k) for k, row in enumerate(rows)]
 

@@ -30,7 +30,13 @@ EOS_SETS = ((tasks.EOS_ID,), (tasks.EOS_ID,), (tasks.EOS_ID, tasks.VOCAB["\n"]),
 
 @st.composite
 def fuzz_request_groups(
-    draw, *, call: int, sampled: bool, per_request: bool, max_prompt_len: int = 40, top_ps=(None, 0.8, 1.0),
+    draw,
+    *,
+    call: int,
+    sampled: bool,
+    per_request: bool,
+    max_prompt_len: int = 40,
+    top_ps=(None, 0.8, 1.0),
     force: dict | None = None,
 ):
     """1-3 GRPO groups (one prompt, 1-3 samples each, distinct seeds); ids unique across calls (``c<call>-...``).
@@ -79,7 +85,8 @@ def fuzz_cases(draw, *, engine: str, model: str = "tiny-llama-arith", force: dic
         raise ValueError(f"forced option values are transformers CB's (cbverify.fuzz.coverage), not {engine!r}'s")
     sampled = _pick(draw, force, "do_sample", {"true": st.just(True), "false": st.just(False)}, st.booleans())
     per_request = engine != "transformers-cb" or _pick(
-        draw, force, "per_request_processors", {"true": st.just(True), "false": st.just(False)}, st.booleans())
+        draw, force, "per_request_processors", {"true": st.just(True), "false": st.just(False)}, st.booleans()
+    )
     generation: dict = {"do_sample": sampled}
     if engine == "transformers-cb":
         generation["min_new_tokens"] = _pick(draw, force, "min_new_tokens", {"off": st.none(), "on": st.sampled_from(
@@ -196,8 +203,13 @@ def batch_generation(draw, force: dict | None = None) -> dict:
     ``cbverify.fuzz.coverage.batch_space`` options drawn as given."""
     force = force or {}
     g: dict = {}
-    sampled = _pick(draw, force, "do_sample", {"true": st.just(True), "false": st.just(False), "unset": st.none()},
-                    st.sampled_from([True, False, None]))  # None: unset (greedy by default)
+    sampled = _pick(
+        draw,
+        force,
+        "do_sample",
+        {"true": st.just(True), "false": st.just(False), "unset": st.none()},
+        st.sampled_from([True, False, None]),
+    )  # None: unset (greedy by default)
     if sampled is not None:
         g["do_sample"] = sampled
     eos = _pick(draw, force, "eos_token_id", {"unset": st.just("unset"), "int": st.just(BATCH_EOS[1]),
@@ -281,7 +293,8 @@ def batch_cases(draw, *, model: str = "tiny-llama-arith", force: dict | None = N
     generation = draw(batch_generation(force))
     moved = draw(st.sampled_from([None] * 5 + list(BATCH_KWARG_FIELDS)))  # passed as a keyword by every call
     persistent = "persistent_manager" in compat.BATCH_PARAMETERS and _pick(
-        draw, force, "persistent_manager", {"true": st.just(True), "false": st.just(False)}, st.booleans())
+        draw, force, "persistent_manager", {"true": st.just(True), "false": st.just(False)}, st.booleans()
+    )
     where = force.get("plain_forward")  # where the caller's plain forwards run (cbverify.fuzz.coverage)
     if where is not None:
         persistent = where != "no-manager-left" and "persistent_manager" in compat.BATCH_PARAMETERS
