@@ -370,7 +370,8 @@ def distribution_test(
     rollouts = engine.generate(batch)
     tests: list[NodeTest] = []
     for k, request in enumerate(requests):
-        _, process = declared_processing(getattr(engine.capabilities, "deviations", ()), request.sampling)
+        declared = getattr(getattr(engine, "capabilities", None), "deviations", ())
+        _, process = declared_processing(declared, request.sampling)
         tests += node_tests(model, request, rollouts[k * num_samples : (k + 1) * num_samples], min_count=min_count,
                             tier=tier, process=process)  # fmt: skip
     return DistributionResult(alpha, tuple(tests), holm(tests, alpha))

@@ -436,6 +436,12 @@ COMMANDS: dict[str, tuple[Here | Elsewhere | Recipe | Check, ...]] = {
                   "test", parse="cbverify bisect dapo-normaliser-is-not-the-accumulated-batch --trl-src {tmp} "
                   "--good v1.0.0 --bad main"),
     ),
+    "cbverify bisect unscorable-completion-scored-as-zero --trl-src trl --bad bd1e73f0a --good v1.6.0 --record": (
+        Elsewhere("property_tests/test_bisect.py::test_git_bisect_names_the_first_bad_commit_of_a_synthetic_checkout_"
+                  "skipping_one_that_errs", "needs TRL's repository: a fix bisected (--bad the older ref) and "
+                  "recorded on a synthetic one built by the test", parse="cbverify bisect "
+                  "unscorable-completion-scored-as-zero --trl-src {tmp} --bad bd1e73f0a --good v1.6.0 --record"),
+    ),
     "cbverify validate": (Here("cbverify validate --help", 0, "argparse's --help exits 0"),),
     "cbverify validate --trl ~/src/trl --json validate.json": (
         Elsewhere("property_tests/test_validate.py::test_the_command_lists_fixed_still_and_newly_failing_and_exits_1",
