@@ -23,6 +23,9 @@ class EngineConfig:
     - ``float64_attention``: compute the paged attention in float64 and cast back (off: on the three bundled models
       float32 stays within float64's error, max |dlogp| 5.7e-6 against 7.6e-6 for the fp32 tier's 5e-5, while
       float64 batched matmuls run ~15x slower on CPU).
+    - ``cuda_graphs``: on a CUDA device, run decode steps from CUDA graphs, one per (batch, context) bucket
+      (``cb_impl.graphs``); off, they run eagerly. A model whose forward cannot be captured (it reads a device value
+      back) turns them off with a ``RuntimeWarning``.
     """
 
     block_size: int = 16
@@ -33,6 +36,7 @@ class EngineConfig:
     enable_prefix_sharing: bool = True
     max_model_len: int | None = None
     float64_attention: bool = False
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         optional = ("num_blocks", "max_model_len")  # None = sized from memory / the model config
@@ -45,6 +49,6 @@ class EngineConfig:
         fraction = self.max_memory_fraction
         if not (isinstance(fraction, (int, float)) and math.isfinite(fraction) and 0.0 < fraction <= 1.0):
             raise ValueError(f"EngineConfig.max_memory_fraction must be in (0, 1], got {fraction!r}")
-        for name in ("float64_attention", "enable_prefix_sharing"):
+        for name in ("float64_attention", "enable_prefix_sharing", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")

@@ -169,7 +169,7 @@ class LLMEngine:
         """Hand the KV cache's pages back while idle (a trainer's update can use them); the next step refills them."""
         if self.has_unfinished():
             raise RuntimeError("release_cache() needs an idle engine: finish or abort its requests first")
-        self.runner.cache.release()
+        self.runner.release()
 
     def abort_all(self) -> None:
         """Drop every unfinished request and free its blocks."""
@@ -205,11 +205,13 @@ class LLMEngine:
     @property
     def stats(self) -> dict[str, float | int]:
         """Counters since construction: steps, tokens, chunked (partial) prefills, preemptions, sharing, attention
-        padding, KV-cache size."""
-        r, bm = self.runner, self.block_manager
+        padding, KV-cache size, decode graphs recorded and replayed (``cb_impl.graphs``)."""
+        r, bm, g = self.runner, self.block_manager, self.runner.graphs
         waste = 1.0 - float(r.num_pairs) / r.num_padded_pairs if r.num_padded_pairs else 0.0
         return {**self._counters, "num_preemptions": self.scheduler.num_preemptions,
                 "num_shared_prefills": self.scheduler.num_forks, "num_cow_copies": bm.num_cow_copies,
                 "attention_padding_waste": waste, "kv_cache_bytes": r.cache.num_bytes, "num_blocks": bm.num_blocks,
+                "kv_block_bytes": r.cache.block_bytes, "num_decode_graphs": g.num_recorded if g else 0,
+                "num_graph_replays": g.num_replays if g else 0,
                 "block_size": self.config.block_size, "peak_used_blocks": bm.peak_used_blocks,
                 **{k: round(v, 6) for k, v in self._timers.items()}}  # fmt: skip

@@ -1,7 +1,9 @@
-"""The paged KV cache: preallocated slots, ``num_blocks * block_size`` per layer, addressed by slot index.
+"""The paged KV cache: preallocated slots, ``(num_blocks + 1) * block_size`` per layer, addressed by slot index.
 
-Slot ``b * block_size + o`` holds offset ``o`` of block ``b``. Allocated with ``torch.empty`` (no page is touched until
-written; ``release`` hands them back between batches); the attention never reads an unwritten slot (``attention``).
+Slot ``b * block_size + o`` holds offset ``o`` of block ``b``. Block ``num_blocks``, past those the block manager
+hands out, is scratch: a padded decode step's padding rows write there (``cb_impl.graphs``). Allocated with
+``torch.empty`` (no page is touched until written; ``release`` hands them back between batches); the attention never
+reads an unwritten slot (``attention``).
 """
 
 from __future__ import annotations
@@ -20,13 +22,19 @@ class PagedKVCache:
     def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
         self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        self.scratch_block = num_blocks  # owned by no sequence
+        shape = (num_layers, (num_blocks + 1) * block_size, num_kv_heads, head_dim)
         self.key = torch.empty(shape, dtype=dtype, device=device)  # (L, slots, Hkv, D)
         self.value = torch.empty(shape, dtype=dtype, device=device)  # (L, slots, Hkv, D)
 
     @property
     def num_bytes(self) -> int:
+        """Bytes reserved, the scratch block's included."""
         return 2 * self.key.numel() * self.key.element_size()
+
+    @property
+    def block_bytes(self) -> int:
+        return self.num_bytes // (self.num_blocks + 1)
 
     def release(self) -> None:
         """Hand every page back while no block is in use (contents lost): fresh, untouched memory of the same shape."""
@@ -43,7 +51,7 @@ class PagedKVCache:
             return
         src, dst = (torch.tensor(ids, device=self.key.device) for ids in zip(*copies, strict=True))  # (C,)
         for cache in (self.key, self.value):
-            blocks = cache.view(cache.shape[0], self.num_blocks, -1)  # (L, blocks, block_size * Hkv * D)
+            blocks = cache.view(cache.shape[0], self.num_blocks + 1, -1)  # (L, blocks, block_size * Hkv * D)
             blocks.index_copy_(1, dst, blocks.index_select(1, src))
 
 
@@ -60,14 +68,16 @@ def free_device_memory(device: torch.device) -> int:
 
 
 def plan_num_blocks(config: EngineConfig, *, block_bytes: int, max_model_len: int, device: torch.device) -> int:
-    """``config.num_blocks`` if given; else ``max_memory_fraction`` of free memory, capped at what
-    ``max_num_seqs`` sequences of ``max_model_len`` tokens could ever use (no point reserving more)."""
+    """``config.num_blocks`` if given; else ``max_memory_fraction`` of free memory, the scratch block included,
+    capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens could ever use (no point reserving more)."""
     if config.num_blocks is not None:
         return config.num_blocks
-    by_memory = int(free_device_memory(device) * config.max_memory_fraction) // block_bytes
+    by_memory = int(free_device_memory(device) * config.max_memory_fraction) // block_bytes - 1
     useful = config.max_num_seqs * math.ceil(max_model_len / config.block_size)
     num_blocks = min(by_memory, useful)
     if num_blocks < 1:
-        raise ValueError(f"max_memory_fraction={config.max_memory_fraction} of free memory holds no KV-cache block "
-                         f"({block_bytes} bytes each): raise it or set num_blocks")  # fmt: skip
+        raise ValueError(
+            f"max_memory_fraction={config.max_memory_fraction} of free memory holds no KV-cache block "
+            f"beside the scratch block ({block_bytes} bytes each): raise it or set num_blocks"
+        )
     return num_blocks

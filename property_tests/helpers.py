@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cbverify.compare import check_conventions, check_results, compare_tokens
-from cbverify.tolerances import FP32, Tier
+from cbverify.tolerances import FP32, Tier, logprob_scale
 from reference import tasks
 from reference.generate import generate as reference_generate
 from reference.spec import Rollout, RolloutRequest, SamplingParams
@@ -37,8 +37,9 @@ def assert_matches_reference(
 
     Results complete and in request order; each rollout follows the EOS / length conventions (``conventions``);
     tokens identical, or diverging only at an accepted near-tie of ``tier`` (reported as a warning); with
-    ``logprobs``, the engine's log-probs within ``tier.logprob_max_abs`` of the oracle's on the common prefix, and the
-    same finish reason when the tokens agree.
+    ``logprobs``, the engine's log-probs within ``tier.logprob_max_abs`` of the oracle's on the common prefix (in logit
+    units: scaled by ``tolerances.logprob_scale``, as every verdict of the harness is), and the same finish reason when
+    the tokens agree.
     """
     expected = reference_generate(model, list(requests)) if expected is None else expected
     assert not check_results(requests, rollouts), check_results(requests, rollouts)
@@ -52,7 +53,8 @@ def assert_matches_reference(
         if not logprobs:
             continue
         common = divergence.position if divergence is not None else len(ref.logprobs)
-        diffs = [abs(a - b) for a, b in zip(ours.logprobs[:common], ref.logprobs[:common], strict=True)]
+        scale = logprob_scale(request.sampling)  # a temperature below 1 amplifies the logits' float32 noise
+        diffs = [abs(a - b) * scale for a, b in zip(ours.logprobs[:common], ref.logprobs[:common], strict=True)]
         assert max(diffs, default=0.0) <= tier.logprob_max_abs, (request.request_id, max(diffs), repro)
         if divergence is None:
             assert ours.finish_reason == ref.finish_reason, (request.request_id, ours, ref)

@@ -86,6 +86,7 @@ def test_cb_rejects_invalid_configs_and_multimodal_models(llama):
         dict(max_memory_fraction=1.5),
         dict(enable_prefix_sharing=1),
         dict(float64_attention=1),
+        dict(cuda_graphs="yes"),
     )
     for bad in bad_configs:
         with pytest.raises(ValueError, match="EngineConfig"):
@@ -214,7 +215,7 @@ def test_without_num_blocks_the_cache_takes_its_memory_fraction_capped_at_what_i
     llama, monkeypatch
 ):
     """The auto-sized cache (TRL's ``max_memory_percent`` path): blocks = fraction x free memory // block bytes,
-    never more than ``max_num_seqs`` sequences of ``max_model_len`` tokens need, and a fraction too small for one block
+    one of them the scratch block (``cb_impl.graphs``), never more than ``max_num_seqs`` sequences of ``max_model_len`` tokens need, and a fraction too small for one block
     is refused by name. Free memory is pinned so the numbers are exact."""
     import psutil
 
@@ -225,14 +226,15 @@ def test_without_num_blocks_the_cache_takes_its_memory_fraction_capped_at_what_i
     block_bytes = 2 * cfg.num_hidden_layers * 4 * cfg.num_key_value_heads * head_dim * 4  # K and V, float32
     monkeypatch.setattr(psutil, "virtual_memory", lambda: type("VM", (), {"available": 1000 * block_bytes})())
     by_memory = LLMEngine(llama.model, EngineConfig(block_size=4, max_memory_fraction=0.05, max_model_len=64))
-    assert by_memory.block_manager.num_blocks == 50
+    assert by_memory.block_manager.num_blocks == 49
+    assert by_memory.runner.cache.num_bytes == 50 * block_bytes, "the cache takes its fraction, scratch included"
     capped = LLMEngine(llama.model, EngineConfig(block_size=4, max_memory_fraction=0.9, max_num_seqs=3,
                                                  max_model_len=64))  # fmt: skip
     assert capped.block_manager.num_blocks == 3 * 16
-    one = LLMEngine(llama.model, EngineConfig(block_size=4, max_memory_fraction=0.001, max_model_len=64))
-    assert one.block_manager.num_blocks == 1, "a fraction that holds exactly one block is enough"
-    with pytest.raises(ValueError, match="max_memory_fraction=0.0001 of free memory holds no KV-cache block"):
-        LLMEngine(llama.model, EngineConfig(block_size=4, max_memory_fraction=0.0001, max_model_len=64))
+    one = LLMEngine(llama.model, EngineConfig(block_size=4, max_memory_fraction=0.002, max_model_len=64))
+    assert one.block_manager.num_blocks == 1, "a fraction that holds exactly one block and the scratch is enough"
+    with pytest.raises(ValueError, match="max_memory_fraction=0.001 of free memory holds no KV-cache block beside"):
+        LLMEngine(llama.model, EngineConfig(block_size=4, max_memory_fraction=0.001, max_model_len=64))
     assert kv_cache.free_device_memory(torch.device("cpu")) == 1000 * block_bytes
     # a bfloat16 model: half the bytes per block, so twice the blocks, and a cache of that dtype (K and V both)
     import copy
@@ -240,7 +242,7 @@ def test_without_num_blocks_the_cache_takes_its_memory_fraction_capped_at_what_i
     bf16 = LLMEngine(copy.deepcopy(llama.model).to(torch.bfloat16),
                      EngineConfig(block_size=4, max_memory_fraction=0.05, max_model_len=64))  # fmt: skip
     cache = bf16.runner.cache
-    assert bf16.block_manager.num_blocks == 100
+    assert bf16.block_manager.num_blocks == 99
     assert cache.key.dtype == cache.value.dtype == torch.bfloat16
     assert cache.key.nbytes + cache.value.nbytes == 100 * block_bytes // 2
 

@@ -96,13 +96,13 @@ def run_checking_reused_metadata(engine: LLMEngine, requests: list, order: list[
     runner, reused = engine.runner, [0]
     build = runner._metadata
 
-    def checked(batch):
+    def checked(batch, padded):
         last = runner._decodes
-        got = build(batch)
+        got = build(batch, padded)
         kept, runner._decodes = runner._decodes, None
-        want = build(batch)  # from the sequences alone
+        want = build(batch, padded)  # from the sequences alone
         runner._decodes = kept
-        reused[0] += last is not None and not batch.tables_changed and batch.chunks == last[0]
+        reused[0] += last is not None and last[0] == padded and not batch.tables_changed and batch.chunks == last[1]
         _assert_same(got, want, "step inputs")
         return got
 
@@ -113,17 +113,22 @@ def run_checking_reused_metadata(engine: LLMEngine, requests: list, order: list[
 
 @given(data=st.data())
 def test_a_decode_step_that_advances_the_last_steps_metadata_equals_one_rebuilt_from_the_sequences(llama, data):
+    """Also padded to the graph buckets (the accelerator's tuning): its padding rows advance with the batch."""
     model, _ = llama
     requests = data.draw(rollout_requests(max_requests=3, max_prompt_len=16, max_new_tokens=(1, 24),
                                           group_size=(1, 3)), label="requests")  # fmt: skip
     config, order, steps = data.draw(cb_arrival_plans(requests=requests), label="plan")
-    run_checking_reused_metadata(LLMEngine(model, EngineConfig(**config)), requests, order, steps)
+    engine = LLMEngine(model, EngineConfig(**config))
+    engine.runner.set_tuning(TUNINGS[data.draw(st.sampled_from(["cpu", "accelerator"]), label="tuning")])
+    run_checking_reused_metadata(engine, requests, order, steps)
 
 
-def test_decode_steps_of_grpo_groups_advance_the_last_steps_metadata_and_equal_a_rebuild(llama):
+@pytest.mark.parametrize("settings_name", ["cpu", "accelerator"])
+def test_decode_steps_of_grpo_groups_advance_the_last_steps_metadata_and_equal_a_rebuild(llama, settings_name):
     model, _ = llama
     requests = grpo_batch(num_prompts=2, group=3, max_new_tokens=24)
     engine = LLMEngine(model, EngineConfig(block_size=4))
+    engine.runner.set_tuning(TUNINGS[settings_name])
     reused = run_checking_reused_metadata(engine, requests, list(range(len(requests))), [0] * len(requests))
     assert 0 < reused < engine.stats["num_steps"], (reused, engine.stats["num_steps"])  # both paths ran
 

@@ -21,6 +21,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cb_impl import tuning
 from cb_impl.config import EngineConfig
 from cb_impl.engine import LLMEngine
 from cb_impl.sampler import build_sampling_batch, sample, sampling_row
@@ -116,20 +117,25 @@ def test_cb_impl_makes_no_tensor_on_the_default_device(device, name, data):
     assert_engine_idle_and_clean(engine)
 
 
-def test_cb_impl_preempts_shares_and_copies_on_write_with_no_tensor_on_the_default_device(device):
+@pytest.mark.parametrize("settings", ["own", "graphs"])
+def test_cb_impl_preempts_shares_and_copies_on_write_with_no_tensor_on_the_default_device(device, settings):
     """A tight cache with GRPO groups under ``FOREIGN``: the run must preempt, share and copy on write, release its
-    cache and run again, and give the oracle's rollouts."""
+    cache and run again, and give the oracle's rollouts; with the device's own tuning and with decode graphs
+    (``cb_impl.graphs``: CUDA graphs on CUDA, their stand-in on the CPU)."""
     model = _model("tiny-llama-arith", device)
     requests = grpo_batch(num_prompts=3, group=4, max_new_tokens=16)
     longest = max(len(r.prompt_ids) for r in requests) + 16
     with FOREIGN:
         engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=-(-longest // 4) + 4, max_batch_tokens=16))
+        if settings == "graphs":
+            engine.runner.set_tuning(tuning.ACCELERATOR)
         first = engine.generate(requests)
         engine.release_cache()
         again = engine.generate(requests)
     stats = engine.stats
     assert stats["num_preemptions"] > 0 and stats["num_shared_prefills"] > 0 and stats["num_cow_copies"] > 0, stats
     assert again == first
+    assert (stats["num_graph_replays"] > 0) == (settings == "graphs"), stats
     assert_matches_reference(model, requests, first, engine="cb_impl", repro="tight-cache GRPO batch under meta")
 
 

@@ -104,7 +104,7 @@ class CbImplEngine:
             raise EngineError(f"{self.name}: {len(rollouts)} rollouts for {len(requests)} requests")
         stats = {k: v for k, v in self.stats.items() if isinstance(v, int | float | str)}
         if stats.get("num_blocks"):
-            stats["kv_peak_used_bytes"] = stats["kv_cache_bytes"] * stats["peak_used_blocks"] // stats["num_blocks"]
+            stats["kv_peak_used_bytes"] = stats["kv_block_bytes"] * stats["peak_used_blocks"]
         touched = {rid: {EVENT_MECHANISMS[e]: n for e, n in events.items()}
                    for rid, events in self.engine.last_events.items()}  # fmt: skip
         self.last_run = RunStats(
