@@ -215,8 +215,9 @@ def test_without_num_blocks_the_cache_takes_its_memory_fraction_capped_at_what_i
     llama, monkeypatch
 ):
     """The auto-sized cache (TRL's ``max_memory_percent`` path): blocks = fraction x free memory // block bytes,
-    one of them the scratch block (``cb_impl.graphs``), never more than ``max_num_seqs`` sequences of ``max_model_len`` tokens need, and a fraction too small for one block
-    is refused by name. Free memory is pinned so the numbers are exact."""
+    one of them the scratch block (``cb_impl.graphs``), never more than ``max_num_seqs`` sequences of
+    ``max_model_len`` tokens need, and a fraction too small for one block is refused by name. Free memory is pinned
+    so the numbers are exact."""
     import psutil
 
     from cb_impl import kv_cache
