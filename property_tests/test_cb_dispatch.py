@@ -6,7 +6,8 @@ Each aten op a step dispatches is a kernel launch on a GPU, and each op that rea
 
 - a prefill step, a decode step that rebuilds its metadata and a decode step that advances the last one dispatch the
   same ops, op for op, for 8 and for 256 sequences (so the same number per layer);
-- every step makes exactly one device-to-host copy (its tokens and log-probs) and no other op that reads back.
+- every step makes exactly one device-to-host copy (its tokens and log-probs) and no other op that reads back;
+- the decode steps replay a recorded forward (``cb_impl.graphs``): on CUDA its ops are one graph launch.
 
 Under the CPU's settings the attention is cut into cache-sized slices, so there the count grows with the batch (shown
 by the same counter, which keeps the property able to fail). Requests are mixed greedy and sampled, with top-k, top-p
@@ -37,17 +38,20 @@ READ_BACK = {aten._local_scalar_dense.default, aten.nonzero.default, aten.unique
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts every dispatched op, and apart: ops that read a device value back and device-to-host copies."""
+    """Counts every dispatched op, and apart: those inside the model's forward (``in_model``, set by the caller),
+    ops that read a device value back and device-to-host copies."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: Counter = Counter()
         self.read_back: Counter = Counter()
-        self.to_host = 0
+        self.to_host = self.model_ops = 0
+        self.in_model = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.ops[str(func)] += 1
+        self.model_ops += self.in_model
         if func in READ_BACK or (func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None):
             self.read_back[str(func)] += 1
         if func is aten._to_copy.default and kwargs.get("device") == torch.device("cpu"):
@@ -70,11 +74,19 @@ def count_steps(model: torch.nn.Module, n: int, settings: tuning.DeviceTuning) -
     for r in _requests(n):
         engine.add_request(r)
     counters = []
+    model = engine.runner.model
     with engine.runner.attached():
         for _ in range(3):
             with OpCounter() as counter:
-                engine.step()
+                hooks = (model.register_forward_pre_hook(lambda *_: setattr(counter, "in_model", True)),
+                         model.register_forward_hook(lambda *_: setattr(counter, "in_model", False)))  # fmt: skip
+                try:
+                    engine.step()
+                finally:
+                    for hook in hooks:
+                        hook.remove()
             counters.append(counter)
+    counters[0].graph_replays = engine.stats["num_graph_replays"]
     return counters
 
 
@@ -94,7 +106,11 @@ def test_on_accelerator_settings_a_step_dispatches_the_same_ops_for_8_and_256_se
         for c in (a, b):
             assert c.to_host == 1, f"step {step}: {c.to_host} device-to-host copies, want one"
             assert not c.read_back, f"step {step}: ops reading a device value back: {dict(c.read_back)}"
-        print(f"step {step}: {sum(a.ops.values())} ops ({sum(a.ops.values()) / layers:.1f} per layer) for 8 and 256")
+        total = sum(a.ops.values())
+        on_cuda = {0: f"{total} launches", 1: "the bucket's graph recorded", 2: f"{total - a.model_ops + 1} launches"}
+        print(f"step {step}: {total} ops ({total / layers:.1f} per layer) for 8 and 256, {a.model_ops} in the model's "
+              f"forward; on CUDA: {on_cuda[step]}")  # fmt: skip
+    assert small[0].graph_replays == large[0].graph_replays == 2, "the two decode steps replay a recorded forward"
 
 
 def test_on_cpu_settings_the_attention_is_sliced_so_the_count_grows_with_the_batch(chat_model):
