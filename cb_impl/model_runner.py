@@ -178,7 +178,8 @@ class ModelRunner:
         rows = torch.arange(num_rows, device=self.device)  # (rows,)
         keys = length_bucket(l_max, grid.shape[1]) if padded else l_max
         group = build_group(starts, torch.ones_like(starts), rows, grid, 1, keys, all_full and not padded, num_rows)
-        meta = StepMetadata(grid[rows, starts], (group,), (starts[: len(chunks)] + 1).sum(), num_rows * keys)
+        pairs = (starts[: len(chunks)] if padded else starts) + 1  # the chunks' keys (a device value: no sync)
+        meta = StepMetadata(grid[rows, starts], (group,), pairs.sum(), num_rows * keys)
         self._decodes = (padded, chunks, starts, grid, l_max, all_full)
         return int64_tensor(ids, self.device)[None], starts[None], meta, rows
 
