@@ -4,7 +4,9 @@ TRL 1.16 calls ``rollout_func(prompts, trainer)`` with one entry per completion 
 which the engine prefills once and shares) and expects ``{"prompt_ids", "completion_ids", "logprobs"}`` in order.
 The engine is built at the first call (from the trainer's model unless given one) and reads the weights live, so
 updates need no weight sync. Without a ``config`` it holds at most that call's batch, its KV cache sized for it;
-after each call it hands the cache's pages back for the trainer's update. ``logprobs`` are the sampler's processed
+after each call it hands the cache's pages back for the trainer's update (and with them its CUDA graphs, which the
+next call records again: a few forwards per bucket, against a memory peak the update would otherwise share with the
+cache). ``logprobs`` are the sampler's processed
 log-probs (``reference.spec.Rollout``). Seeds are a function of (base seed, training step, row of the *global*
 batch): process ``r`` of ``N`` completes rows ``r * B`` to ``(r + 1) * B - 1``, so no two processes share a seed and
 N processes draw what one would; a rerun with the same seeds reproduces the rollouts. Trainer options the engine
