@@ -111,15 +111,23 @@ def run_checking_reused_metadata(engine: LLMEngine, requests: list, order: list[
     return reused[0]
 
 
-@given(data=st.data())
-def test_a_decode_step_that_advances_the_last_steps_metadata_equals_one_rebuilt_from_the_sequences(llama, data):
-    """Also padded to the graph buckets (the accelerator's tuning): its padding rows advance with the batch."""
-    model, _ = llama
+def draw_run(data: st.DataObject, model: torch.nn.Module, settings: tuning.DeviceTuning | None = None) -> tuple:
+    """Up to 3 requests (groups too, up to 24 new tokens), an engine of a drawn config with ``settings`` (else a
+    drawn tuning: the CPU's or the accelerator's) and an arrival plan: (engine, requests, order, steps, config)."""
     requests = data.draw(rollout_requests(max_requests=3, max_prompt_len=16, max_new_tokens=(1, 24),
                                           group_size=(1, 3)), label="requests")  # fmt: skip
     config, order, steps = data.draw(cb_arrival_plans(requests=requests), label="plan")
     engine = LLMEngine(model, EngineConfig(**config))
-    engine.runner.set_tuning(TUNINGS[data.draw(st.sampled_from(["cpu", "accelerator"]), label="tuning")])
+    if settings is None:
+        settings = TUNINGS[data.draw(st.sampled_from(["cpu", "accelerator"]), label="tuning")]
+    engine.runner.set_tuning(settings)
+    return engine, requests, order, steps, config
+
+
+@given(data=st.data())
+def test_a_decode_step_that_advances_the_last_steps_metadata_equals_one_rebuilt_from_the_sequences(llama, data):
+    """Also padded to the graph buckets (the accelerator's tuning): its padding rows stay at position 0."""
+    engine, requests, order, steps, _ = draw_run(data, llama.model)
     run_checking_reused_metadata(engine, requests, order, steps)
 
 

@@ -25,8 +25,7 @@ from cb_impl.config import EngineConfig
 from cb_impl.engine import LLMEngine
 from conftest import requires_cuda
 from property_tests.helpers import assert_matches_reference, grpo_batch
-from property_tests.strategies import cb_arrival_plans, rollout_requests
-from property_tests.test_cb_exactness import assert_engine_idle_and_clean, run_with_arrivals
+from property_tests.test_cb_exactness import assert_engine_idle_and_clean, draw_run, run_with_arrivals
 from reference.models import load
 
 
@@ -87,12 +86,8 @@ def _assert_padding_only_touches_the_scratch_block(engine: LLMEngine, steps: lis
 
 @given(data=st.data())
 def test_padded_decode_steps_equal_the_unpadded_ones_and_padding_touches_only_the_scratch_block(llama, data):
-    model, _ = llama
-    requests = data.draw(rollout_requests(max_requests=3, max_prompt_len=16, max_new_tokens=(1, 24),
-                                          group_size=(1, 3)), label="requests")  # fmt: skip
-    config, order, steps = data.draw(cb_arrival_plans(requests=requests), label="plan")
-    engine = LLMEngine(model, EngineConfig(**config))
-    engine.runner.set_tuning(tuning.ACCELERATOR)
+    model = llama.model
+    engine, requests, order, steps, config = draw_run(data, model, tuning.ACCELERATOR)
     padded = _padded_steps(engine)
     rollouts = run_with_arrivals(engine, requests, order, steps)
     _assert_padding_only_touches_the_scratch_block(engine, padded)
