@@ -8,11 +8,13 @@ and writes the recorded output tensor), so everything but the CUDA capture runs 
 - a graph sees weights updated in place; weights or a KV cache that moved drop every graph, which is recorded again;
 - a forward that cannot be recorded turns the graphs off with a warning, and the run stays exact.
 
-The CUDA instance (marked ``gpu``) records real CUDA graphs and holds them to the eager run of the same engine.
+The CUDA instance (marked ``gpu``) records real CUDA graphs, holds them to the eager run of the same engine and the
+oracle, and reports both runs' warm times in the session summary.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import pytest
@@ -24,7 +26,7 @@ from cb_impl import graphs, tuning
 from cb_impl.config import EngineConfig
 from cb_impl.engine import LLMEngine
 from conftest import requires_cuda
-from property_tests.helpers import assert_matches_reference, grpo_batch
+from property_tests.helpers import SUMMARY, assert_matches_reference, grpo_batch
 from property_tests.test_cb_exactness import assert_engine_idle_and_clean, draw_run, run_with_arrivals
 from reference.models import load
 
@@ -170,8 +172,16 @@ def test_cuda_graph_decodes_give_the_eager_engines_and_the_oracles_rollouts(name
     eager = LLMEngine(model, EngineConfig(block_size=4, cuda_graphs=False))
     graphed = LLMEngine(model, EngineConfig(block_size=4))
     assert eager.runner.graphs is None and graphed.runner.graphs.recorder is graphs.CudaGraph
-    want = eager.generate(requests)
-    got = graphed.generate(requests)
+    seconds, results = {}, {}
+    for engine in (eager, graphed, eager, graphed):  # the second run of each is warm: its graphs recorded
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        results[engine is graphed] = engine.generate(requests)
+        torch.cuda.synchronize()
+        seconds[engine is graphed] = time.perf_counter() - start
+    want, got = results[False], results[True]
+    SUMMARY.append(f"cb_impl on CUDA, {name}, {len(requests)} requests (warm): eager {seconds[False]:.3f} s, decode "
+                   f"graphs {seconds[True]:.3f} s ({seconds[False] / seconds[True]:.2f}x)")  # fmt: skip
     assert graphed.stats["num_graph_replays"] > 0 and eager.stats["num_graph_replays"] == 0, graphed.stats
     assert_matches_reference(model, requests, got, expected=want, engine="cb_impl", repro=f"{name}: graphs vs eager")
     assert_matches_reference(model, requests, got, engine="cb_impl", repro=f"{name} on CUDA, graphs")
