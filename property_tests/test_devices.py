@@ -122,6 +122,8 @@ def test_cb_impl_preempts_shares_and_copies_on_write_with_no_tensor_on_the_defau
     """A tight cache with GRPO groups under ``FOREIGN``: the run must preempt, share and copy on write, release its
     cache and run again, and give the oracle's rollouts; with the device's own tuning and with decode graphs
     (``cb_impl.graphs``: CUDA graphs on CUDA, their stand-in on the CPU)."""
+    if settings == "graphs" and device == "cuda":
+        pytest.skip("on CUDA the device's own tuning is the one with graphs: the [cuda-own] case")
     model = _model("tiny-llama-arith", device)
     requests = grpo_batch(num_prompts=3, group=4, max_new_tokens=16)
     longest = max(len(r.prompt_ids) for r in requests) + 16
@@ -135,7 +137,7 @@ def test_cb_impl_preempts_shares_and_copies_on_write_with_no_tensor_on_the_defau
     stats = engine.stats
     assert stats["num_preemptions"] > 0 and stats["num_shared_prefills"] > 0 and stats["num_cow_copies"] > 0, stats
     assert again == first
-    assert (stats["num_graph_replays"] > 0) == (settings == "graphs"), stats
+    assert (stats["num_graph_replays"] > 0) == (settings == "graphs" or device == "cuda"), stats
     assert_matches_reference(model, requests, first, engine="cb_impl", repro="tight-cache GRPO batch under meta")
 
 
