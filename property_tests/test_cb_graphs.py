@@ -22,7 +22,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cb_impl import graphs, tuning
+from cb_impl import graphs, model_runner, tuning
 from cb_impl.config import EngineConfig
 from cb_impl.engine import LLMEngine
 from conftest import requires_cuda
@@ -161,6 +161,29 @@ def test_a_forward_that_cannot_be_recorded_turns_the_graphs_off_with_a_warning_a
 def test_cuda_graphs_follow_the_config_and_other_accelerators_get_none():
     assert tuning.tuning_for("cuda").graph_decodes and not tuning.tuning_for("cpu").graph_decodes
     assert tuning.tuning_for("mps") == replace(tuning.ACCELERATOR, graph_decodes=False)
+
+
+@pytest.mark.slow
+def test_padded_decode_steps_are_exact_on_every_zoo_model_cb_impl_supports(monkeypatch, tmp_path):
+    """The accelerator tuning (padded decodes from the graph stand-in) on every zoo model: windows, soft-caps, sinks,
+    MoE, tied embeddings, their combinations. cb_impl passes with identical tokens, its decode steps replayed, or is
+    refused up front, as under the CPU's tuning."""
+    from cbverify import zoo
+    from cbverify.zoo import combinations as combos
+    from cbverify.zoo.matrix import run_architecture
+
+    monkeypatch.setattr(model_runner, "tuning_for", lambda device: tuning.ACCELERATOR)
+    replays = []
+    record = graphs.Graphs.run
+    monkeypatch.setattr(graphs.Graphs, "run", lambda self, *step: replays.append(1) or record(self, *step))
+    passed = 0
+    for arch in [*zoo.ARCHS, *combos.combinations(combos.FAMILIES)[0]]:
+        before = len(replays)
+        cell = {c.engine: c for c in run_architecture(arch, str(tmp_path), ("reference", "cb_impl"))}["cb_impl"]
+        assert cell.status == "N/A" or (cell.status == "PASS" and cell.identical), (arch.name, cell)
+        assert (cell.status == "PASS") == (len(replays) > before), (arch.name, "decode steps not replayed")
+        passed += cell.status == "PASS"
+    assert passed > 100, passed
 
 
 @pytest.mark.gpu
