@@ -45,6 +45,8 @@ def test_every_registered_fuzz_finding_still_reproduces(llama, finding):
     it another way, this fails and the entry is updated), outside it the repro must pass (else the range is
     mis-scoped) except where another registered finding explains the failure (e.g. before 5.18 a persistent
     generate_batch's second call returns nothing, which hides what a later call would show)."""
+    if missing := finding.missing():  # a release without continuous batching (4.x) cannot have fixed its bug
+        pytest.skip(f"n/a({missing})")
     if not finding.applies(finding.repro):  # e.g. a paused manager before transformers had pause()
         pytest.skip(f"{finding.id}: its repro cannot be expressed on transformers {transformers.__version__}")
     pristine = Pristine(llama.model)

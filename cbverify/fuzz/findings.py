@@ -58,6 +58,16 @@ class FuzzFinding:
                 raise ValueError(f"finding {self.id}: the {check} prediction /{prediction.pattern}/ matches anything")
         object.__setattr__(self, "predicts", predicts)
 
+    def missing(self) -> str | None:
+        """What the installed transformers lacks that the finding's repro needs (continuous batching itself, a
+        ``ContinuousBatchingConfig`` field its case sets), probed on the release, or ``None``: where it is missing the
+        finding can neither reproduce nor be fixed there (n/a, never FIXED?)."""
+        try:
+            compat.config_kwargs(**self.repro.config)
+        except compat.MissingFeature as missing:
+            return str(missing)
+        return None
+
     def covers(self, check: str, case: FuzzCase) -> bool:
         """The check, the case's configuration and the installed version are the finding's (whatever was observed:
         whether the failure is the predicted one is :meth:`mismatch`'s question)."""

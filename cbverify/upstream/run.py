@@ -58,15 +58,14 @@ def versions() -> dict[str, str]:
 
 
 def transformers_cb_support(return_logprobs: bool) -> str | None:
-    """Why the installed transformers cannot serve TRL's ``cb`` path (with ``return_logprobs``), or ``None``."""
-    import transformers
+    """Why the installed transformers cannot serve TRL's ``cb`` path (with ``return_logprobs``), or ``None``: probed
+    by :mod:`cbverify.engines.transformers_compat`, the one place that asks transformers what it has."""
+    from cbverify.engines import transformers_compat as compat
 
-    try:
-        from transformers.generation import ContinuousBatchingConfig
-    except ImportError:
-        return f"transformers {transformers.__version__} has no ContinuousBatchingConfig"
-    if return_logprobs and "return_logprobs" not in ContinuousBatchingConfig.__dataclass_fields__:
-        return f"transformers {transformers.__version__} ContinuousBatchingConfig has no return_logprobs"
+    if compat.ABSENT is not None:
+        return compat.ABSENT
+    if return_logprobs and not compat.has("return_logprobs"):
+        return f"transformers {compat.VERSION} ContinuousBatchingConfig has no return_logprobs"
     return None
 
 
