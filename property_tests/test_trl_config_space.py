@@ -34,6 +34,7 @@ from hypothesis import strategies as st
 from cbverify.decisive import render, tally, vacuous
 from cbverify.pairs import Coverage, trainer_labels, trainer_space
 from cbverify.tolerances import TRAINER_FP32_PARAM_GRAD
+from cbverify.upstream import trl_compat
 from cbverify.upstream.findings import FINDINGS, by_id
 from cbverify.upstream.recording import record_run
 from cbverify.upstream.scenario import TrainerScenario
@@ -91,7 +92,10 @@ def test_every_optimizer_step_matches_the_reference(llama, scenario):
 
 def _assert_every_step_matches(llama, scenario, pairs=None):
     model, tokenizer = llama
-    record = record_run(scenario, model, tokenizer)
+    try:
+        record = record_run(scenario, model, tokenizer)
+    except trl_compat.MissingFeature as missing:  # e.g. an RLOOTrainer whose _generate returns what no oracle can
+        pytest.skip(f"n/a({missing})")
     if pairs is not None:
         pairs.add([trainer_labels(scenario, record)])
     results = check_steps(scenario, record, model)
@@ -261,7 +265,11 @@ def test_the_gradient_check_catches_a_trainer_off_by_two_percent(llama, trainer,
                                trainer=trainer)  # fmt: skip
 
     def verdict(prepare=None) -> str:
-        results = check_steps(scenario, record_run(scenario, *llama, prepare=prepare), llama.model)
+        try:
+            record = record_run(scenario, *llama, prepare=prepare)
+        except trl_compat.MissingFeature as missing:
+            pytest.skip(f"n/a({missing})")
+        results = check_steps(scenario, record, llama.model)
         return next(r.status for r in results if r.check == "step_gradients_match_reference")
 
     if trainer not in _CLEAN:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cbverify.upstream import trl_compat
-from cbverify.upstream.scenario import TrainerScenario, build_trainer, release_trainer
+from cbverify.upstream.scenario import TrainerScenario, build_trainer, own_precision_environment, release_trainer
 
 
 @dataclass
@@ -160,7 +160,9 @@ def replace_single_turn(trainer, rollout: Callable) -> None:
 
 def record_run(scenario: TrainerScenario, model, tokenizer, prepare: Callable[[object], None] | None = None) -> Record:
     """Train a float32 copy of ``model`` for ``scenario.max_steps`` optimizer steps on the ``rollout_func`` path (the
-    oracle rolls out) and record every step (see the module docstring). A trainer error is kept in ``Record.error``.
+    oracle rolls out) and record every step (see the module docstring), from the caller's precision environment
+    (an earlier bf16 trainer's leak on transformers 4.x does not make this run autocast: the leak is judged where a
+    scenario asks for it). A trainer error is kept in ``Record.error``.
     ``prepare(trainer)`` runs before the recorder is installed (the power tests inject faults with it)."""
     from cbverify.upstream.rollout import make_rollout_func, replace_generate
     from cbverify.upstream.run import _quiet_loggers
@@ -171,7 +173,7 @@ def record_run(scenario: TrainerScenario, model, tokenizer, prepare: Callable[[o
     work = copy.deepcopy(model).float().train()
     record = Record()
     rollout_func = make_rollout_func("reference", work, tokenizer, base_seed=scenario.seed)
-    with warnings.catch_warnings(), _quiet_loggers():
+    with warnings.catch_warnings(), _quiet_loggers(), own_precision_environment():
         warnings.simplefilter("ignore", FutureWarning)
         if scenario.trainer == "grpo" and trl_compat.rollout_func_off_vllm():
             trainer = build_trainer(scenario, work, tokenizer, rollout_func=rollout_func)

@@ -28,7 +28,13 @@ import torch
 from cbverify.upstream import trl_compat
 from cbverify.upstream.capture import Capture, install
 from cbverify.upstream.rollout import make_rollout_func
-from cbverify.upstream.scenario import TrainerScenario, build_trainer, config_args, release_trainer
+from cbverify.upstream.scenario import (
+    TrainerScenario,
+    build_trainer,
+    config_args,
+    own_precision_environment,
+    release_trainer,
+)
 
 VLLM_ELSEWHERE = (
     "vLLM is not installed in this environment: `cbverify upstream --run --path vllm` runs the vllm path in the vllm "
@@ -135,7 +141,7 @@ def run_scenario(scenario: TrainerScenario, model, tokenizer, callbacks: tuple =
         capture.sampler_model.save_pretrained(folder.name)
         tokenizer.save_pretrained(folder.name)
         work_model.name_or_path = work_model.config._name_or_path = folder.name
-    with warnings.catch_warnings(), _quiet_loggers(), _own_precision_environment():
+    with warnings.catch_warnings(), _quiet_loggers(), own_precision_environment():
         # TRL/transformers deprecation chatter (gradient_checkpointing -> activation_checkpointing, block_size) is
         # about their own internals, repeated every run; it carries no information about the scenario under test.
         warnings.simplefilter("ignore", FutureWarning)
@@ -163,25 +169,6 @@ def run_scenario(scenario: TrainerScenario, model, tokenizer, callbacks: tuple =
             if trainer is not None:
                 release_trainer(trainer)  # its output folder, now (the capture keeps what the checks need)
     return capture
-
-
-@contextlib.contextmanager
-def _own_precision_environment():
-    """Each run starts from the caller's ``ACCELERATE_MIXED_PRECISION`` and leaves it as it found it.
-
-    transformers 4.x's ``TrainingArguments(bf16=True)`` writes ``bf16`` there, and every later ``TrainingArguments``
-    of the process reads it as its default (the registered ``bf16-config-leaks-into-later-trainers``): without this,
-    a suite's float32 scenarios after its first bf16 one would all run in bf16 autocast, and be judged on it. The
-    leak itself is judged where a scenario asks for it (``after_bf16_trainer``)."""
-    name = "ACCELERATE_MIXED_PRECISION"
-    before = os.environ.get(name)
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
 
 
 @contextlib.contextmanager

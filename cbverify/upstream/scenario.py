@@ -20,6 +20,7 @@ Paths:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -272,6 +273,25 @@ def _math_args(scenario: TrainerScenario) -> dict:
             **{name: None if value == default_max else value for name, value in is_bounds.items()},
         )
     return args | {k: v for k, v in optional.items() if v is not None}
+
+
+@contextlib.contextmanager
+def own_precision_environment():
+    """Each run starts from the caller's ``ACCELERATE_MIXED_PRECISION`` and leaves it as it found it.
+
+    transformers 4.x's ``TrainingArguments(bf16=True)`` writes ``bf16`` there, and every later ``TrainingArguments``
+    of the process reads it as its default (the registered ``bf16-config-leaks-into-later-trainers``): without this,
+    a suite's float32 scenarios after its first bf16 one would all run in bf16 autocast, and be judged on it. The
+    leak itself is judged where a scenario asks for it (``after_bf16_trainer``)."""
+    name = "ACCELERATE_MIXED_PRECISION"
+    before = os.environ.get(name)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def build_trainer(scenario: TrainerScenario, model, tokenizer, rollout_func=None):
