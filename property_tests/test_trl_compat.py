@@ -150,3 +150,29 @@ def test_the_installed_trainer_calls_rollout_func_exactly_when_the_layer_says_it
             compat.require_path("grpo", "rollout_func")
     else:
         compat.require_path("grpo", "rollout_func")
+
+
+class _LogsScaleStd:  # the shape of trl 0.24 to 0.26
+    def _generate_and_score_completions(self, rewards, std_rewards, mode):
+        self._metrics[mode]["reward"].append(rewards.mean().item())
+        self._metrics[mode]["reward_std"].append(std_rewards.mean().item())
+
+
+class _LogsBatchStd:  # the shape of trl 0.27 on
+    def _generate_and_score_completions(self, rewards, std_rewards, mode):
+        advantages = rewards / (std_rewards + 1e-4)
+        self._metrics[mode]["reward_std"].append(rewards.std().item())
+        return advantages
+
+
+class _LogsNoStd:
+    def _generate_and_score_completions(self, rewards, mode):
+        self._metrics[mode]["reward"].append(rewards.mean().item())
+
+
+def test_the_logged_reward_std_is_read_off_the_release_s_source():
+    assert compat.reward_std_logged(_LogsScaleStd) == "scale"
+    assert compat.reward_std_logged(_LogsBatchStd) == "batch"  # std_rewards scales the advantages, not the log
+    with pytest.raises(compat.MissingFeature, match="logs no reward_std"):
+        compat.reward_std_logged(_LogsNoStd)
+    assert compat.reward_std_logged() in ("scale", "batch")  # the installed release logs one of them

@@ -35,6 +35,7 @@ from cbverify.decisive import render, tally, vacuous
 from cbverify.pairs import Coverage, trainer_labels, trainer_space
 from cbverify.tolerances import TRAINER_FP32_PARAM_GRAD
 from cbverify.upstream import trl_compat
+from cbverify.upstream.capture import Capture
 from cbverify.upstream.findings import FINDINGS, by_id
 from cbverify.upstream.recording import record_run
 from cbverify.upstream.scenario import TrainerScenario
@@ -85,7 +86,7 @@ def _planned(test):
 @settings(BUDGET, max_examples=max(1, EXAMPLES // 2))
 @example(scenario=DECISIVE)
 @_planned
-@given(scenario=trainer_configs(loss_types=LOSS_TYPES))
+@given(scenario=trainer_configs(loss_types=RELEASE_LOSS_TYPES))
 def test_every_optimizer_step_matches_the_reference(llama, scenario):
     _assert_every_step_matches(llama, scenario, pairs=PAIRS)
 
@@ -115,7 +116,7 @@ def _assert_every_step_matches(llama, scenario, pairs=None):
 
 
 @settings(BUDGET, max_examples=max(1, EXAMPLES // 2))
-@given(scenario=trainer_configs(loss_types=LOSS_TYPES, trainer="rloo"))
+@given(scenario=trainer_configs(loss_types=RELEASE_LOSS_TYPES, trainer="rloo"))
 def test_every_rloo_optimizer_step_matches_the_reference(llama, scenario):
     """``RLOOTrainer`` (which takes no ``rollout_func``: the oracle replaces its ``_generate``) over drawn
     ``RLOOConfig`` fields: leave-one-out advantages with the KL penalty in the reward, sequence-level clipping."""
@@ -130,7 +131,7 @@ def _run(scenario, llama):
 
 @needs_training
 @settings(BUDGET, max_examples=max(1, EXAMPLES // 4))
-@given(scenario=trainer_configs(loss_types=LOSS_TYPES, max_steps=2))
+@given(scenario=trainer_configs(loss_types=RELEASE_LOSS_TYPES, max_steps=2))
 def test_settings_that_only_concern_vllm_change_nothing_without_it(llama, scenario):
     """TRL applies its importance-sampling correction only with vLLM: on the ``rollout_func`` path, switching it on
     with another mode and other bounds leaves every gradient and every logged number bit-identical."""
@@ -148,29 +149,37 @@ def test_settings_that_only_concern_vllm_change_nothing_without_it(llama, scenar
         }, f"step {k} logs differ\n{scenario!r}"
 
 
-def _evaluate(scenario, llama, dataset) -> dict[str, float]:
-    """``trainer.evaluate()`` on ``dataset`` with a fresh float32 copy, the oracle rolling out; timings dropped."""
+def _evaluate(scenario, llama, dataset) -> dict[str, float] | str:
+    """``trainer.evaluate()`` on ``dataset`` with a fresh float32 copy, the oracle rolling out; timings dropped. A
+    crash is judged as the upstream suite judges ``run_completes``: a registered finding that predicts it gives its
+    label (``XFAIL(<finding>): <reason>``), anything else raises."""
     import copy
 
+    from cbverify.upstream.checks import run_completes
+    from cbverify.upstream.recording import oracle_trainer
     from cbverify.upstream.rollout import make_rollout_func
-    from cbverify.upstream.scenario import build_trainer
 
     model = copy.deepcopy(llama.model).float()
     rollout = make_rollout_func("reference", model, llama.tokenizer, base_seed=scenario.seed)
-    trainer = build_trainer(scenario, model, llama.tokenizer, rollout_func=rollout)
-    metrics = trainer.evaluate(eval_dataset=dataset)
+    trainer = oracle_trainer(scenario, model, llama.tokenizer, rollout)
+    try:
+        metrics = trainer.evaluate(eval_dataset=dataset)
+    except Exception as err:
+        (result,) = run_completes(scenario, Capture(run_error=err))
+        ok, label = judge(result, scenario, model.config.model_type)
+        if not ok:
+            raise
+        return f"{label}: {result.reason}"
     timings = ("runtime", "per_second", "step_time", "preparation_time")
     return {k: v for k, v in metrics.items() if not k.endswith(timings)}
 
 
-@needs_training
+EVALUATIONS: list[dict | str] = []  # what each drawn example's evaluation reported: its metrics, or a finding's label
+
+
 @settings(BUDGET, max_examples=max(1, EXAMPLES // 4))
-@given(scenario=trainer_configs(loss_types=LOSS_TYPES, max_steps=1))
-def test_settings_that_only_concern_training_do_not_change_what_evaluation_reports(llama, scenario):
-    """Evaluation neither accumulates nor iterates nor steps: on the same evaluation data, other accumulation,
-    generation and iteration steps, clipping bounds and gradient clipping report the same numbers (bit-identical:
-    evaluation is on-policy, so every ratio is exactly 1 and no clip bound around 1 can bind; CISPO's bound is an
-    absolute cap on the ratio, 0.2 by default, which binds at 1, so its bounds stay as drawn)."""
+@given(scenario=trainer_configs(loss_types=RELEASE_LOSS_TYPES, max_steps=1))
+def _evaluation_ignores_training_settings(llama, scenario):
     from cbverify.upstream.scenario import make_dataset
 
     assume(scenario.batch_size % scenario.num_generations == 0)  # an evaluation batch holds whole groups
@@ -181,13 +190,33 @@ def test_settings_that_only_concern_training_do_not_change_what_evaluation_repor
     if scenario.loss_type != "cispo":  # CISPO's epsilon_high caps the ratio itself: a cap below 1 binds on-policy too
         other = replace(other, epsilon=0.3, epsilon_high=None)
     dataset = make_dataset(scenario)
-    assert _evaluate(scenario, llama, dataset) == _evaluate(other, llama, dataset), repr(scenario)
+    first = _evaluate(scenario, llama, dataset)
+    assert first == _evaluate(other, llama, dataset), repr(
+        scenario
+    )  # a registered crash must not depend on them either
+    EVALUATIONS.append(first)
+
+
+@needs_training
+def test_settings_that_only_concern_training_do_not_change_what_evaluation_reports(llama):
+    """Evaluation neither accumulates nor iterates nor steps: on the same evaluation data, other accumulation,
+    generation and iteration steps, clipping bounds and gradient clipping report the same numbers (bit-identical:
+    evaluation is on-policy, so every ratio is exactly 1 and no clip bound around 1 can bind; CISPO's bound is an
+    absolute cap on the ratio, 0.2 by default, which binds at 1, so its bounds stay as drawn). Where a registered
+    finding predicts that evaluation crashes, both settings must crash alike, and the test is an XFAIL naming it."""
+    EVALUATIONS.clear()
+    _evaluation_ignores_training_settings(llama)
+    excused = [e for e in EVALUATIONS if isinstance(e, str)]
+    if excused:
+        pytest.xfail(f"{len(EVALUATIONS) - len(excused)} of {len(EVALUATIONS)} examples compared metrics; "
+                     f"the others: {'; '.join(sorted(set(excused)))}")  # fmt: skip
 
 
 @needs_training
 @settings(BUDGET, max_examples=max(1, EXAMPLES // 4))
 @given(
-    scenario=trainer_configs(loss_types=LOSS_TYPES, max_steps=2), weights=st.sampled_from([(1.0, 1.0), (2.0, -0.5)])
+    scenario=trainer_configs(loss_types=RELEASE_LOSS_TYPES, max_steps=2),
+    weights=st.sampled_from([(1.0, 1.0), (2.0, -0.5)]),
 )
 def test_how_the_reward_is_written_down_changes_nothing(llama, scenario, weights):
     """Representation only: two reward functions listed in the other order (each keeping its weight), or the first
@@ -212,7 +241,7 @@ def test_how_the_reward_is_written_down_changes_nothing(llama, scenario, weights
 @needs_training
 @settings(BUDGET, max_examples=max(1, EXAMPLES // 4))
 @given(
-    loss_type=st.sampled_from(["grpo", "dr_grpo", "dapo", "cispo"]),
+    loss_type=st.sampled_from([t for t in ("grpo", "dr_grpo", "dapo", "cispo") if t in RELEASE_LOSS_TYPES]),
     seed=st.integers(0, 2**16),
     temperature=st.sampled_from([1.0, 1.5]),
 )

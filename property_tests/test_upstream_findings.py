@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from cbverify.upstream.findings import FAIL, FINDINGS, NA, SCRIPTS, CheckResult, Finding, by_id, explaining
 from cbverify.upstream.recording import record_run
+from cbverify.upstream.run import repro_not_applicable
 from cbverify.upstream.steps import check_steps
 from cbverify.upstream.suite import DEFAULT_SCENARIOS, check_scenario, greedy_agreement, judge
 
@@ -86,6 +87,8 @@ def test_the_invariant_behind_each_registered_finding_holds(finding: Finding, mo
                     f"trl {installed['trl']}")  # fmt: skip
     if finding.path == "vllm":  # TRL's colocated vLLM runs in the vllm environment only
         pytest.skip(f"{finding.id} is on the vllm path: held by test_upstream_vllm.py under make test-vllm")
+    if missing := repro_not_applicable(finding):  # the release lacks what the repro needs: n/a, by name
+        pytest.skip(f"n/a({missing})")
     arch = models[finding.repro_model][0].config.model_type
     results = _finding_results(finding, models)
     covered = [r for r in results if finding.covers(r, finding.repro, arch) and r.status != NA]
@@ -128,9 +131,9 @@ def test_every_repro_script_fails_exactly_inside_its_versions(finding: Finding):
     script; what upstream logs on stderr (a generation thread's traceback) never decides. A release that lacks what the
     finding's scenario needs (a generation path, a config field, a loss type, continuous batching) is n/a, by name."""
     from cbverify.upstream.bisect import BAD, ERROR, GOOD, run_script
-    from cbverify.upstream.run import not_applicable, versions
+    from cbverify.upstream.run import versions
 
-    if missing := not_applicable(finding.repro):
+    if missing := repro_not_applicable(finding):
         pytest.skip(f"n/a({missing})")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     verdict, last = run_script(sys.executable, SCRIPTS / finding.script, env=env)

@@ -112,6 +112,20 @@ def test_matrix_table_keeps_the_worst_label_per_check_and_names_a_failed_install
     json.dumps(rows)  # the JSON output is plain data
 
 
+def test_the_matrix_says_per_column_what_changed_against_the_previous_release():
+    header = ["check", "path", "0.24", "0.27", "0.28"]
+    rows = [["a", "*", "pass", "FAIL", "pass"], ["b", "*", "xfail(f)", "xfail(f)", "pass"],
+            ["c", "*", "n/a", "VACUOUS", "VACUOUS"]]  # fmt: skip
+    lines = matrix.column_changes(header, rows)
+    assert lines == [
+        "0.24: 1 N/A, 1 PASS, 1 XFAIL",
+        "0.27: 1 FAIL, 1 VACUOUS, 1 XFAIL",
+        "  against 0.24: newly failing 2: a (pass -> FAIL); c (n/a -> VACUOUS); fixed 0",
+        "0.28: 2 PASS, 1 VACUOUS",
+        "  against 0.27: newly failing 0; fixed 2: a (FAIL -> pass); b (xfail(f) -> pass)",
+    ]
+
+
 def test_the_matrix_probe_names_the_module_an_import_lacks(monkeypatch):
     import io
     import sys

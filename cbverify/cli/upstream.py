@@ -89,7 +89,7 @@ def results_payload(rows, elapsed: float, model_name: str, model_type: str, fact
     (``facts``), and the decisiveness of every check (:mod:`cbverify.decisive`)."""
     from cbverify.upstream import checks
     from cbverify.upstream.run import versions
-    from cbverify.upstream.suite import judge
+    from cbverify.upstream.suite import judge, release_lacks
 
     out = []
     for scenario, result in rows:
@@ -99,6 +99,7 @@ def results_payload(rows, elapsed: float, model_name: str, model_type: str, fact
         out.append({"check": result.check, "path": result.path, "status": result.status, "label": label, "ok": ok,
                     "scenario": result.scenario, "reason": result.reason})  # fmt: skip
     tallies = decisiveness(out)
+    lacking = {t.check: why for t in tallies if t.vacuous and (why := release_lacks(t.check))}
     by_label = {scenario.describe(): scenario for scenario, _ in rows if scenario is not None}
     unexercised = {label: why for label, f in (facts or {}).items() if (why := checks.unexercised(by_label[label], f))}
     import torch
@@ -106,7 +107,8 @@ def results_payload(rows, elapsed: float, model_name: str, model_type: str, fact
     return {"versions": versions(), "cpu_capability": torch.backends.cpu.get_cpu_capability(), "model": model_name,
             "elapsed_s": round(elapsed, 1), "results": out,
             "exercised": facts or {}, "unexercised": unexercised, "decisiveness": [t.to_json() for t in tallies],
-            "vacuous": [t.check for t in tallies if t.vacuous]}  # fmt: skip
+            "vacuous": [t.check for t in tallies if t.vacuous and t.check not in lacking],
+            "release_lacks": lacking}  # fmt: skip
 
 
 def decisiveness(results: list[dict]) -> list:
@@ -143,6 +145,8 @@ def summary_table(payload: dict) -> str:
         lines += ["", "what each scenario exercised:"]
         lines += [f"  {', '.join(f'{k} {v}' for k, v in facts.items())}  <- {label}"
                   for label, facts in payload["exercised"].items()]  # fmt: skip
+    for check, why in payload.get("release_lacks", {}).items():
+        lines.append(f"   N/A on this release: {check}: {why}")
     for label, why in payload.get("unexercised", {}).items():
         lines.append(f"!! UNEXERCISED: {'; '.join(why)}  <- {label}")
     tallies = [_tally_from_json(t, Tally) for t in payload["decisiveness"]]

@@ -220,6 +220,25 @@ FINDINGS: tuple[Finding, ...] = (
         },
     ),
     Finding(
+        id="eval-loss-divided-by-training-accumulation",
+        checks=("run_completes",),
+        path="*",
+        when="trainer.evaluate() with loss_type grpo, bnpo, dr_grpo or sapo",
+        applies=lambda s: s.evaluate and s.loss_type in ("grpo", "bnpo", "dr_grpo", "sapo"),
+        affected="transformers 4.57.6 + trl 0.22.2, 0.24.0, 0.26.2 and 0.27.0 (its script exits 1); not 0.21.0 (no "
+        "division) nor 0.27.1 to 0.29.1 ('no accum in eval'; cbverify bisect --trl 0.24..0.29)",
+        trl=">=0.22,<0.27.1",
+        evidence="GRPOTrainer._compute_loss divides the grpo/bnpo/dr_grpo loss by "
+        "self.current_gradient_accumulation_steps in every mode: evaluate() before train() raises AttributeError (the "
+        "training loop sets it), and after training with gradient_accumulation_steps=4 the repro's eval_loss is "
+        "-0.0544019 where the same weights give -0.217608 with 1 (divided by 4)",
+        repro=TrainerScenario(path="generate", evaluate=True, loss_type="bnpo"),
+        script="eval_loss_divided_by_training_accumulation.py",
+        predicts={
+            "run_completes": Prediction(r"AttributeError: .*no attribute 'current_gradient_accumulation_steps'")
+        },
+    ),
+    Finding(
         id="cb-reseeds-global-rng",
         checks=("generation_keeps_rng",),
         path="cb",
@@ -415,8 +434,9 @@ FINDINGS: tuple[Finding, ...] = (
         path="*",
         when="reward_weights other than all 1 (the step checks of cbverify.upstream.steps)",
         applies=lambda s: s.reward_weights is not None and any(w != 1.0 for w in s.reward_weights),
-        affected="transformers 5.24.0 + trl 0.29.1 (the TRL matrix); trl 1.0.0 applies the weights to the logged "
-        "statistics ('apply reward_weights to logged reward/reward_std')",
+        affected="transformers 5.24.0 + trl 0.29.1 (the TRL matrix), transformers 4.57.6 + trl 0.27.0 to 0.27.2 "
+        "(cbverify bisect --trl 0.24..0.29); not 0.24.0 to 0.26.2, which log the weighted sum's group statistics; trl "
+        "1.0.0 applies the weights to the logged statistics ('apply reward_weights to logged reward/reward_std')",
         evidence="GRPOTrainer logs reward and reward_std from rewards_per_func.nansum(dim=1), the unweighted sum of "
         "the functions, while its advantages use the weighted sum: the logged reward is not the reward trained on. "
         "The trained Llama with length and digit rewards weighted (2, -0.5): the logged reward and reward_std "
@@ -440,7 +460,7 @@ FINDINGS: tuple[Finding, ...] = (
             max_grad_norm=0.0,
         ),
         repro_model="tiny-llama-arith",
-        trl="<1.0",
+        trl=">=0.27,<1.0",
         step_checks=True,
         script="logged_reward_ignores_reward_weights.py",
         predicts={

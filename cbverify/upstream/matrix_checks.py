@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -80,8 +81,6 @@ PAIRS_TEST = "test_every_listed_pair_was_set_together_in_some_run"
 
 def pair_row(check: str, path: str, line: str | None) -> dict | None:
     """The row of one coverage line (``cbverify.pairs.Coverage.line``), None where the run reported none."""
-    import re
-
     if not line:
         return None
     got = re.search(r"pairs reached (\d+)/(\d+)", line)
@@ -102,7 +101,9 @@ def upstream_rows(python: str, args, out: Path, log) -> tuple[list[dict], dict]:
         return [_row("upstream checks", "-", "ERROR", False)], {"error": payload["error"]}
     # a check that judged no scenario on this release is as bad as a failure: nothing was verified there
     vacuous = [_row(check, "*", "VACUOUS", False) for check in payload.get("vacuous", []) if not args.path]
-    return payload["results"] + vacuous, payload["versions"]
+    # a check whose mechanism the release has on no path it runs is one N/A row naming what it lacks
+    lacking = [_row(check, "*", f"N/A({why})", True) for check, why in payload.get("release_lacks", {}).items()]
+    return payload["results"] + vacuous + lacking, payload["versions"]
 
 
 def pytest_rows(python: str, args, out: Path, log) -> list[dict]:
@@ -124,6 +125,8 @@ def pytest_rows(python: str, args, out: Path, log) -> list[dict]:
             label = "FIXED?" if "FIXED?" in (failed.get("message") or "") + (failed.text or "") else "FAIL"
         elif skipped is not None:  # pytest writes an expected failure as a skip of type pytest.xfail
             label = "XFAIL" if "xfail" in (skipped.get("type") or "") else "NOT-APPLICABLE"
+            why = re.search(r"n/a\((.*)\)", skipped.get("message") or "")  # what the release lacks, where named
+            label += f"({why.group(1)})" if why and label == "NOT-APPLICABLE" else ""
         else:
             label = "PASS"
         rows.append(_row(case.get("name"), "pytest", label, failed is None))
@@ -198,7 +201,36 @@ def write_report(out: Path, columns: dict[str, dict], timings: dict[str, float],
     md = render_markdown(header, rows) + "\n\n" + "\n".join(f"- `{n}`: {s} s" for n, s in timings.items())
     (out / "matrix.md").write_text(md + "\n")
     text = render_text(header, rows) + "\n\n" + "\n".join(f"{n}: {v}  ({timings[n]} s)" for n, v in versions.items())
+    text += "\n\n" + "\n".join(column_changes(header, rows))
     return text, all(r["ok"] for p in columns.values() for r in p["results"])
+
+
+BAD = ("ERROR", "FAIL", "VACUOUS", "FIXED?")  # the labels of a row that is not as expected
+
+
+def _kind(cell: str) -> str:
+    return cell.split("(")[0].upper()
+
+
+def column_changes(header: list[str], rows: list[list[str]]) -> list[str]:
+    """Per column: the count of each label, and against the column before it (the previous release, in the order
+    given) the rows newly not as expected and the rows fixed (not as expected, or an expected failure, before; a pass
+    now)."""
+    lines = []
+    for c in range(2, len(header)):
+        counts: dict[str, int] = {}
+        for row in rows:
+            counts[_kind(row[c])] = counts.get(_kind(row[c]), 0) + 1
+        lines.append(f"{header[c]}: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
+        if c == 2:
+            continue
+        before = [(r, _kind(r[c - 1]), _kind(r[c])) for r in rows]
+        worse = [f"{r[0]} ({r[c - 1]} -> {r[c]})" for r, a, b in before if b in BAD and a not in BAD]
+        fixed = [f"{r[0]} ({r[c - 1]} -> {r[c]})" for r, a, b in before if b == "PASS" and (a in BAD or a == "XFAIL")]
+        lines.append(f"  against {header[c - 1]}: newly failing {len(worse)}"
+                     + (f": {'; '.join(worse)}" if worse else "") + f"; fixed {len(fixed)}"
+                     + (f": {'; '.join(fixed)}" if fixed else ""))  # fmt: skip
+    return lines
 
 
 def _cell(labels: list[str]) -> str:

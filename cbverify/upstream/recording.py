@@ -158,13 +158,30 @@ def replace_single_turn(trainer, rollout: Callable) -> None:
     trainer._generate_single_turn = single_turn
 
 
+def oracle_trainer(scenario: TrainerScenario, model, tokenizer, rollout_func: Callable):
+    """``scenario``'s trainer on ``model`` generating with ``rollout_func`` on every release that can: through its
+    ``rollout_func`` argument where the release calls it without vLLM (GRPO from trl 0.29), in place of
+    ``_generate_single_turn`` where it does not (GRPO on trl 0.24 to 0.28: none, or only on the vLLM path), in place of
+    ``_generate`` for RLOO (which takes no ``rollout_func``)."""
+    from cbverify.upstream.rollout import replace_generate
+
+    if scenario.trainer == "grpo" and trl_compat.rollout_func_off_vllm():
+        return build_trainer(scenario, model, tokenizer, rollout_func=rollout_func)
+    trainer = build_trainer(scenario, model, tokenizer)
+    if scenario.trainer == "grpo":
+        replace_single_turn(trainer, rollout_func)
+    else:
+        replace_generate(trainer, rollout_func)
+    return trainer
+
+
 def record_run(scenario: TrainerScenario, model, tokenizer, prepare: Callable[[object], None] | None = None) -> Record:
     """Train a float32 copy of ``model`` for ``scenario.max_steps`` optimizer steps on the ``rollout_func`` path (the
     oracle rolls out) and record every step (see the module docstring), from the caller's precision environment
     (an earlier bf16 trainer's leak on transformers 4.x does not make this run autocast: the leak is judged where a
     scenario asks for it). A trainer error is kept in ``Record.error``.
     ``prepare(trainer)`` runs before the recorder is installed (the power tests inject faults with it)."""
-    from cbverify.upstream.rollout import make_rollout_func, replace_generate
+    from cbverify.upstream.rollout import make_rollout_func
     from cbverify.upstream.run import _quiet_loggers
 
     if scenario.path != "rollout_func" or scenario.rollout_backend != "reference":
@@ -175,14 +192,7 @@ def record_run(scenario: TrainerScenario, model, tokenizer, prepare: Callable[[o
     rollout_func = make_rollout_func("reference", work, tokenizer, base_seed=scenario.seed)
     with warnings.catch_warnings(), _quiet_loggers(), own_precision_environment():
         warnings.simplefilter("ignore", FutureWarning)
-        if scenario.trainer == "grpo" and trl_compat.rollout_func_off_vllm():
-            trainer = build_trainer(scenario, work, tokenizer, rollout_func=rollout_func)
-        elif scenario.trainer == "grpo":  # trl 0.24 to 0.28 call a rollout_func only on their vLLM path
-            trainer = build_trainer(scenario, work, tokenizer)
-            replace_single_turn(trainer, rollout_func)
-        else:  # RLOOTrainer takes no rollout_func: the oracle replaces its _generate
-            trainer = build_trainer(scenario, work, tokenizer)
-            replace_generate(trainer, rollout_func)
+        trainer = oracle_trainer(scenario, work, tokenizer, rollout_func)
         if prepare is not None:
             prepare(trainer)
         _install(trainer, record)

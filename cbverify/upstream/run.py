@@ -96,6 +96,21 @@ def not_applicable(scenario: TrainerScenario) -> str | None:
     return None
 
 
+def repro_not_applicable(finding) -> str | None:
+    """Why a registered finding's repro cannot run on the installed stack, or ``None``: its scenario's needs on the
+    path the repro really takes. The optimizer-step checks record on any release whose trainer they can hand the
+    oracle's rollouts to (:func:`cbverify.upstream.recording.record_run` replaces its generation where ``rollout_func``
+    is absent or vLLM-only), and a multi-process repro runs its stand-in on ``generate()`` where its own path is
+    missing (:func:`cbverify.upstream.distributed.stand_in_for`): for both, their own path is no need."""
+    on_generate = replace(finding.repro, path="generate")
+    if finding.step_checks:
+        return not_applicable(on_generate)
+    reason = not_applicable(finding.repro)
+    if reason and finding.repro.nproc > 1:
+        return not_applicable(on_generate)
+    return reason
+
+
 def _cpu_bf16_ok() -> bool:
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16):

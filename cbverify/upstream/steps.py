@@ -13,6 +13,7 @@ from collections import Counter
 import torch
 
 from cbverify.tolerances import TRAINER_FP32, TRAINER_FP32_PARAM_GRAD, TRAINER_METRIC
+from cbverify.upstream import trl_compat
 from cbverify.upstream.findings import FAIL, NA, PASS, CheckResult, flat_groups_seen
 from cbverify.upstream.findings import scenario_result as _result
 from cbverify.upstream.recording import Generation, LossCall, Record
@@ -122,7 +123,8 @@ def check_steps(scenario: TrainerScenario, record: Record, model) -> list[CheckR
 
 def _check_logged_rewards(scenario: TrainerScenario, record: Record) -> CheckResult:
     """GRPO logs, at the optimizer step that generated a batch, ``reward``: the mean over the batch of each row's
-    weighted reward, and ``reward_std``: their (Bessel) standard deviation, averaged over the batches generated within
+    weighted reward, and ``reward_std``: their (Bessel) standard deviation (up to trl 0.26: the mean of the group
+    standard deviations that scale the advantages, :func:`_batch_stats`), averaged over the batches generated within
     the step. Judged where every row was scored by some function (how an unscored row counts is another question)."""
     check = "logged_rewards_match_reference"
     if scenario.trainer != "grpo":
@@ -140,7 +142,7 @@ def _check_logged_rewards(scenario: TrainerScenario, record: Record) -> CheckRes
             unscored += 1
             continue
         judged += 1
-        weighted, plain = _batch_stats(totals), _batch_stats([combine_rewards(r) for r in rewards])
+        weighted, plain = _batch_stats(scenario, totals), _batch_stats(scenario, [combine_rewards(r) for r in rewards])
         for name, value in zip(("reward", "reward_std"), weighted, strict=True):
             got = step.logs.get(name)
             if got is None or not _close(got, value, TRAINER_METRIC):
@@ -155,9 +157,17 @@ def _check_logged_rewards(scenario: TrainerScenario, record: Record) -> CheckRes
     return _result(check, scenario, PASS, f"{judged} logged reward means and stds")
 
 
-def _batch_stats(totals: list[torch.Tensor]) -> tuple[float, float]:
-    """The mean over generation batches of each batch's mean and (Bessel) standard deviation of its rows' rewards."""
-    return (sum(float(t.mean()) for t in totals) / len(totals), sum(float(t.std()) for t in totals) / len(totals))
+def _batch_stats(scenario: TrainerScenario, totals: list[torch.Tensor]) -> tuple[float, float]:
+    """The mean over generation batches of each batch's mean and (Bessel) standard deviation of its rows' rewards:
+    the batch's, or where the release logs the standard deviation that scales the advantages
+    (:func:`cbverify.upstream.trl_compat.reward_std_logged`), each group's, averaged over the rows."""
+
+    def std(t: torch.Tensor) -> float:
+        if trl_compat.reward_std_logged() == "batch" or scenario.scale_rewards == "batch":
+            return float(t.std())
+        return float(t.view(-1, scenario.num_generations).std(dim=1).mean())
+
+    return (sum(float(t.mean()) for t in totals) / len(totals), sum(std(t) for t in totals) / len(totals))
 
 
 def _check_rewards(scenario: TrainerScenario, record: Record) -> CheckResult:

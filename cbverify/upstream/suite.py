@@ -29,6 +29,35 @@ CHECKS = (
 )  # fmt: skip
 
 
+# The checks whose mechanism only some generation paths have, with the scenario that reaches it on each and how many
+# of those paths must run: sampler log-probs come from continuous batching asked for them, a rollout_func or vLLM;
+# greedy agreement compares two paths. Every other check judges on every path.
+_REACHES = {
+    "generate": TrainerScenario(path="generate"),
+    "cb": TrainerScenario(path="cb", cb_return_logprobs=True),
+    "rollout_func": TrainerScenario(path="rollout_func", rollout_backend="reference"),
+    "vllm": TrainerScenario(path="vllm"),
+}
+PATHS_NEEDED: dict[str, tuple[tuple[str, ...], int]] = {
+    "sampler_logprobs_reach_trainer": (("cb", "rollout_func", "vllm"), 1),
+    "sampler_logprob_semantics": (("cb", "rollout_func", "vllm"), 1),
+    "greedy_paths_agree": (("generate", "cb", "rollout_func", "vllm"), 2),
+}
+
+
+def release_lacks(check: str) -> str | None:
+    """Why the installed release cannot reach ``check`` at all (fewer of the paths that have its mechanism run here
+    than it needs), naming what each missing path lacks; ``None`` where it can. A check that judged no scenario on a
+    release that lacks its mechanism is N/A for that release, by name; anywhere else it is VACUOUS, a failure."""
+    if check not in PATHS_NEEDED:
+        return None
+    paths, needed = PATHS_NEEDED[check]
+    missing = {path: why for path in paths if (why := not_applicable(_REACHES[path]))}
+    if len(paths) - len(missing) >= needed:
+        return None
+    return f"needs {needed} of {', '.join(paths)}; " + "; ".join(f"{path}: {why}" for path, why in missing.items())
+
+
 def check_scenario(scenario: TrainerScenario, model, tokenizer) -> list[CheckResult]:
     """All checks of :data:`CHECKS` on one scenario (NOT-APPLICABLE for all when the stack cannot run it)."""
     reason = not_applicable(scenario)
@@ -114,6 +143,7 @@ DEFAULT_SCENARIOS: tuple[TrainerScenario, ...] = tuple(
         dict(path="generate", loss_type="luspo", max_completion_length=32),  # rows of unequal length (padding)
         dict(path="cb", bf16=True),
         dict(path="cb", evaluate=True),
+        dict(path="generate", evaluate=True, loss_type="bnpo"),  # a loss normalised per token of the batch
         dict(path="cb", trainer="rloo", top_p=0.8),
         dict(path="generate", trainer="rloo", top_p=0.8),
         dict(path="generate", greedy=True, after_bf16_trainer=True),

@@ -60,7 +60,9 @@ tried beside transformers 5.24.0). Their metadata puts no upper bound on transfo
 Without vLLM and without a rollout_func these releases have one generation path (``generate``), whose sampler returns
 no log-probs and whose sampling depends on the process layout: ``sampler_logprobs_reach_trainer``,
 ``sampler_logprob_semantics`` and ``greedy_paths_agree`` (and across ranks ``ranks_match_one_process``) judge nothing
-there, which the matrix reports as VACUOUS.
+there: the upstream run reports each once as N/A for the release, naming what each path lacks
+(:func:`cbverify.upstream.suite.release_lacks`). The logged ``reward_std`` is the mean of the per-row standard
+deviations that scale the advantages up to 0.26, the batch's standard deviation from 0.27 (:func:`reward_std_logged`).
 
 The same in every release (checked; nothing to adapt): the five wrapped trainer methods, ``rollout_func`` (a
 ``GRPOTrainer`` argument; ``RLOOTrainer`` never takes one), the loss types ``_compute_loss`` knows (grpo, bnpo,
@@ -273,6 +275,20 @@ def logps_output(logps, entropies) -> tuple:
     """A ``_get_per_token_logps_and_entropies`` return value: with ``aux_loss=None`` where the release has it."""
     params = inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters
     return (logps, entropies, None) if "compute_aux_loss" in params else (logps, entropies)
+
+
+@cache
+def reward_std_logged(trainer_cls: type = GRPOTrainer) -> str:
+    """What GRPO logs as ``reward_std``, read off ``_generate_and_score_completions``: ``"scale"``, the mean over the
+    batch's rows of the standard deviation that scales their advantages (each group's; the batch's with
+    ``scale_rewards="batch"``), in 0.24 to 0.26, whose logging guide calls it the average standard deviation across
+    reward groups; ``"batch"``, the standard deviation of the batch's rewards, from 0.27."""
+    source = textwrap.dedent(inspect.getsource(trainer_cls._generate_and_score_completions))
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "append"
+                and "reward_std" in ast.unparse(node.func.value)):  # fmt: skip
+            return "scale" if "std_rewards" in ast.unparse(node.args[0]) else "batch"
+    raise MissingFeature(f"trl {VERSION}: {trainer_cls.__name__}._generate_and_score_completions logs no reward_std")
 
 
 def has_is_clip_min() -> bool:

@@ -1,8 +1,9 @@
-"""Finding ``logged-reward-ignores-reward-weights`` (trl before 1.0): the logged reward is not the reward trained on.
+"""Finding ``logged-reward-ignores-reward-weights`` (trl 0.27 to 0.29): the logged reward is not the reward trained on.
 
 With several reward functions and ``reward_weights``, GRPO trains on the weighted sum of the functions (its
-advantages use it), but up to 0.29 ``_generate_and_score_completions`` logs ``reward`` and ``reward_std`` from
-``rewards_per_func.nansum(dim=1)``, the unweighted sum. trl 1.0 applies the weights to the logged statistics.
+advantages use it), but from 0.27 to 0.29 ``_generate_and_score_completions`` logs ``reward`` and ``reward_std`` from
+``rewards_per_func.nansum(dim=1)``, the unweighted sum. 0.24 to 0.26 log the weighted sum's group statistics; trl
+1.0 applies the weights to the logged statistics.
 
 Standalone: imports only torch, transformers, trl, datasets and the standard library; the model (a 2-layer Llama
 with seeded random weights) and its character tokenizer are built here. Two reward functions (the completion's index
